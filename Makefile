@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/fedpilot run pipelines/quickstart.yaml
+
+lint: install
+	$(BIN)/ruff check platform tests bench
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .fedpilot-cache mlruns mlflow.db

@@ -1,0 +1,19 @@
+"""FedAvg (McMahan et al. 2017) with a server optimizer: FedAvgM and FedAdam come from the stage's `server`."""
+
+from __future__ import annotations
+
+from fedpilot.algorithms.base import Algorithm
+from fedpilot.engine import Cohort, Upload
+
+
+class FedAvg(Algorithm):
+    """Every parameter is shared: local SGD on the whole model, the server averages by sample count."""
+
+    name = "fedavg"
+
+    @property
+    def personal_part(self) -> str:
+        return "none"
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        return Upload(shared=cohort.sgd("shared").shared)

@@ -1,0 +1,32 @@
+"""FedSim: Pillutla et al. 2022 (paper 000), Algorithm 1 with LocalSim (Algorithm 3 / Algorithm 5)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedpilot.algorithms.base import Algorithm, AlgorithmParams
+from fedpilot.engine import Cohort, Upload
+
+
+class FedSimParams(AlgorithmParams):
+    """tau: joint local steps (null = the stage's local budget); lr_v / lr_u: gamma_v, gamma_u (null = local.lr).
+
+    stateful: false gives the stateless variant of App. C.4.
+    """
+
+    tau: int | None = Field(None, ge=1)
+    lr_v: float | None = Field(None, gt=0)
+    lr_u: float | None = Field(None, gt=0)
+    stateful: bool = True
+
+
+class FedSim(Algorithm):
+    """LocalSim: u and v take each step together, both gradients taken at the same point; send u, keep v."""
+
+    name = "fedsim"
+    Params = FedSimParams
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        local = cohort.sgd("all", lr={"shared": self.p.lr_u, "personal": self.p.lr_v}, steps=self.p.tau)
+        cohort.personal = local.personal
+        return Upload(shared=local.shared)

@@ -1,0 +1,52 @@
+"""Local fine-tuning (step (c) of paper 000's pipeline), Ditto-as-fine-tuning, and Local-only training."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fedpilot.algorithms.base import Algorithm, AlgorithmParams
+from fedpilot.engine import Cohort, Upload
+
+
+class FinetuneParams(AlgorithmParams):
+    """part: `personal` fine-tunes the personal parameters with the shared ones fixed (FT (part.));
+    `all` fine-tunes a whole personal copy of the model (Finetune).
+    prox: lambda of an L2 pull lambda/2 * ||w_i - w_start||^2 to the client's starting model; with
+    part=all this is paper 000's Ditto-as-fine-tuning (App. B.2, baseline (ii)).
+    Local work (epochs, batch size, lr) is the stage's `local` block.
+    """
+
+    part: Literal["personal", "all"] = "personal"
+    prox: float = Field(0.0, ge=0)
+
+
+class Finetune(Algorithm):
+    """Each client, visited once, trains its personal part locally; nothing is sent to the server."""
+
+    name = "finetune"
+    Params = FinetuneParams
+    visits_each_client_once = True
+
+    @property
+    def personal_part(self) -> str | None:
+        return "all" if self.p.part == "all" else None
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        start = dict(cohort.personal)
+        cohort.personal = cohort.sgd("personal", prox=self.p.prox, reference=start).personal
+        return Upload()
+
+
+class LocalOnlyParams(FinetuneParams):
+    """Local-only training: the whole model, personal to each client, trained on its own data alone."""
+
+    part: Literal["personal", "all"] = "all"
+
+
+class LocalOnly(Finetune):
+    """Local-only baseline: every client trains its own copy of the stage's starting model, no communication."""
+
+    name = "local"
+    Params = LocalOnlyParams

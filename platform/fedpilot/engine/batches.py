@@ -1,0 +1,80 @@
+"""Minibatch plans: every local step of a whole cohort drawn at once from a seeded generator.
+
+A plan is made for the whole cohort before it is cut into chunks, so results do not depend on chunking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def round_generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded from a tuple of ints (seed, stage, round, phase), stable across machines."""
+    seed = int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class BatchPlan:
+    """Sample indices [K, S, B] into the client-major tensors, 0/1 sample weights and active steps [K, S]."""
+
+    index: torch.Tensor
+    weight: torch.Tensor
+    active: torch.Tensor
+
+    def rows(self, rows: slice) -> BatchPlan:
+        return BatchPlan(self.index[rows], self.weight[rows], self.active[rows])
+
+    def to(self, device: torch.device) -> BatchPlan:
+        return BatchPlan(self.index.to(device), self.weight.to(device), self.active.to(device))
+
+    @property
+    def steps(self) -> int:
+        return self.index.shape[1]
+
+
+def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """`repeats` random orderings of each client's positions 0..n_k-1, padded past n_k: [K, repeats, width]."""
+    keys = torch.rand(len(sizes), repeats, width, generator=gen)
+    keys = keys.masked_fill(torch.arange(width) >= sizes[:, None, None], 2.0)
+    return keys.argsort(dim=-1)
+
+
+def epoch_plan(offsets: torch.Tensor, sizes: torch.Tensor, epochs: float, batch: int, gen: torch.Generator) -> BatchPlan:
+    """`epochs` passes over each client's samples in batches of `batch` (the last batch of a pass may be short).
+
+    A fractional epoch count keeps the first ceil(fraction * steps per epoch) steps of the last pass.
+    """
+    n_max = int(sizes.max())
+    per_epoch = math.ceil(n_max / batch)
+    passes = math.ceil(epochs)
+    order = _orderings(sizes, passes, per_epoch * batch, gen)
+    pos = order.reshape(len(sizes), passes * per_epoch, batch)
+    weight = (pos < sizes[:, None, None]).float()
+    client_steps = torch.ceil(sizes / batch)
+    step_in_pass = torch.arange(per_epoch).repeat(passes)
+    pass_idx = torch.arange(passes).repeat_interleave(per_epoch)
+    budget = torch.where(pass_idx[None] < passes - 1, client_steps[:, None],
+                         torch.ceil(client_steps * (epochs - (passes - 1)))[:, None])
+    active = step_in_pass[None] < budget
+    return BatchPlan(offsets[:, None, None] + _clip(pos, sizes), weight, active)
+
+
+def step_plan(offsets: torch.Tensor, sizes: torch.Tensor, steps: torch.Tensor | int, batch: int,
+              gen: torch.Generator) -> BatchPlan:
+    """`steps` steps per client (an int or a per-client tensor), each a fresh batch drawn without replacement."""
+    steps = torch.as_tensor(steps).expand(len(sizes))
+    s_max = int(steps.max())
+    order = _orderings(sizes, s_max, int(sizes.max()), gen)[..., :batch]
+    weight = (order < sizes[:, None, None]).float()
+    active = torch.arange(s_max)[None] < steps[:, None]
+    return BatchPlan(offsets[:, None, None] + _clip(order, sizes), weight, active)
+
+
+def _clip(pos: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Padding positions point at the client's own sample 0 (weight 0), so every index is valid."""
+    return torch.where(pos < sizes[:, None, None], pos, torch.zeros_like(pos))

@@ -1,0 +1,170 @@
+"""The value an algorithm sees: a cohort of clients, their parameters, and the engine's local SGD."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
+from fedpilot.engine.config import LocalConfig
+from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats
+
+Part = Literal["personal", "shared", "all"]
+
+
+@dataclass
+class Upload:
+    """What a cohort sends to the server; every tensor has a leading client dimension [K, ...].
+
+    shared: the clients' new shared parameters (the engine turns them into deltas from the broadcast).
+    grad:   or gradients of the shared parameters (PFLEGO).
+    mask:   optional 0/1 per entry for sparse uploads; the server then averages each entry over the
+            clients that sent it (pFedGate's per-index aggregation).
+    weight: aggregation weight of each client; default its number of training samples.
+    """
+
+    shared: Params | None = None
+    grad: Params | None = None
+    mask: Params | None = None
+    weight: torch.Tensor | None = None
+
+
+@dataclass
+class RoundWork:
+    """Everything the engine fixes for one round: data, model, local settings, seeds, executor."""
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    offsets: torch.Tensor
+    sizes: torch.Tensor
+    local: LocalConfig
+    lr_factor: float
+    seed_key: tuple[int, ...]
+    executor: str
+    personal_names: list[str]
+    plans: dict[tuple, BatchPlan] = field(default_factory=dict)
+
+    def plan(self, cohort_clients: torch.Tensor, phase: int, epochs: float | None, steps) -> BatchPlan:
+        """The batch plan of the whole cohort for one local phase (made once, then sliced per chunk)."""
+        key = (phase, epochs, steps if not torch.is_tensor(steps) else tuple(steps.tolist()))
+        if key not in self.plans:
+            gen = round_generator(*self.seed_key, phase + 1)
+            offsets, sizes = self.offsets[cohort_clients].cpu(), self.sizes[cohort_clients].cpu()
+            batch = self.local.batch_size
+            if steps is not None:
+                self.plans[key] = step_plan(offsets, sizes, steps, batch, gen)
+            else:
+                self.plans[key] = epoch_plan(offsets, sizes, epochs, batch, gen)
+            self.plans[key] = self.plans[key].to(self.x.device)
+        return self.plans[key]
+
+    def head_only(self, names: list[str]) -> bool:
+        """Whether `names` are all head parameters while the body is entirely shared."""
+        return all(n.startswith("head.") for n in names) and all(
+            n.startswith("head.") for n in self.personal_names)
+
+
+@dataclass
+class Local:
+    """Parameters of the clients of a cohort after local work, each [K, ...]."""
+
+    shared: Params
+    personal: Params
+
+
+class Cohort:
+    """The clients sampled in a round (or one chunk of them), as one value.
+
+    `shared` is the broadcast global model (no client dimension); `personal` holds each client's
+    personal parameters [K, ...]; `personal_init` is the stage's starting personal value (for stateless
+    variants and L2 pulls); `weights` are the clients' training sample counts.
+    """
+
+    def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice, cohort_clients: torch.Tensor,
+                 shared: Params, personal: Params, personal_init: Params):
+        self.work, self.clients, self.rows, self.cohort_clients = work, clients, rows, cohort_clients
+        self.shared, self.personal, self.personal_init = shared, personal, personal_init
+        self.weights = work.sizes[clients].to(torch.float32)
+        self.stats = TrainStats.zeros(len(clients), work.x.device)
+        self._phase = 0
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def sgd(self, train: Part, lr: float | dict[str, float] | None = None, *, epochs: float | None = None,
+            steps: int | torch.Tensor | None = None, shared: Params | None = None, prox: float = 0.0,
+            reference: Params | None = None) -> Local:
+        """Local SGD of the `train` part for each client, starting from its current parameters.
+
+        Work defaults to the stage's `local` block (epochs or steps); `steps` may be a per-client tensor.
+        `lr` is one value or {"shared": .., "personal": ..}; the round's schedule factor multiplies it.
+        `shared` optionally replaces the broadcast with per-client shared parameters [K, ...].
+        `prox` adds prox/2 * ||w - reference||^2 to each client's loss (reference: the stage's start).
+        """
+        local = self.work.local
+        if epochs is None and steps is None:
+            epochs, steps = local.epochs, local.steps
+        plan = self.work.plan(self.cohort_clients, self._phase, epochs, steps).rows(self.rows)
+        self._phase += 1
+        per_client_shared = shared is not None
+        shared = shared if per_client_shared else self.shared
+        trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
+        rule = self._rule(trainable, lr, prox, reference)
+        trainable = self._run(trainable, frozen, fixed, plan, rule)
+        personal = {n: trainable.get(n, v) for n, v in self.personal.items()}
+        k = len(self.clients)
+        new_shared = {n: trainable.get(n, v if per_client_shared else v.expand(k, *v.shape))
+                      for n, v in shared.items()}
+        return Local(shared=new_shared, personal=personal)
+
+    def _assign(self, train: Part, shared: Params, per_client_shared: bool) -> tuple[Params, Params, Params]:
+        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..]."""
+        k = len(self.clients)
+        batched_shared = shared if per_client_shared else {n: v.expand(k, *v.shape) for n, v in shared.items()}
+        if train == "personal":
+            return dict(self.personal), (batched_shared if per_client_shared else {}), (
+                {} if per_client_shared else dict(shared))
+        if train == "shared":
+            return {n: v.clone() for n, v in batched_shared.items()}, dict(self.personal), {}
+        return {**{n: v.clone() for n, v in batched_shared.items()}, **self.personal}, {}, {}
+
+    def _rule(self, trainable: Params, lr, prox: float, reference: Params | None) -> StepRule:
+        local = self.work.local
+        if lr is None or isinstance(lr, float | int):
+            rates = dict.fromkeys(trainable, float(lr if lr is not None else local.lr))
+        else:
+            rates = {n: float(lr.get("personal" if n in self.personal else "shared") or local.lr) for n in trainable}
+        rates = {n: r * self.work.lr_factor for n, r in rates.items()}
+        ref = {n: reference[n] for n in trainable} if prox else {}
+        return StepRule(rates, local.clip_norm, local.weight_decay, prox, ref)
+
+    def _run(self, trainable: Params, frozen: Params, fixed: Params, plan: BatchPlan, rule: StepRule) -> Params:
+        work = self.work
+        executor = EXECUTORS[work.executor]()
+        labels = work.y[plan.index]
+        weight = plan.weight.to(work.x.device)
+        if executor.uses_features and work.head_only(list(trainable)) and not frozen:
+            body = {n[len("body."):]: v for n, v in fixed.items() if n.startswith("body.")}
+            with torch.no_grad():
+                flat = plan.index.flatten()
+                feats = functional_call(work.model.body, body, (work.x[flat],))
+            head = {n[len("head."):]: v for n, v in trainable.items()}
+            head_fixed = {n[len("head."):]: v for n, v in fixed.items() if n.startswith("head.")}
+            index = torch.arange(len(flat), device=feats.device).view(plan.index.shape)
+            batches = Batches(feats, index, labels, weight, plan.active)
+            trained = executor.train(work.model.head, head, {}, head_fixed, batches, _strip(rule, "head."), self.stats)
+            return {"head." + n: v for n, v in trained.items()}
+        batches = Batches(work.x, plan.index, labels, weight, plan.active)
+        return executor.train(work.model, trainable, frozen, fixed, batches, rule, self.stats)
+
+
+def _strip(rule: StepRule, prefix: str) -> StepRule:
+    """The same rule with `prefix` removed from its parameter names."""
+    cut = len(prefix)
+    return StepRule({n[cut:]: v for n, v in rule.lr.items()}, rule.clip_norm, rule.weight_decay, rule.prox,
+                    {n[cut:]: v for n, v in rule.reference.items()})

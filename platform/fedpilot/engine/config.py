@@ -1,0 +1,83 @@
+"""Typed settings of one federated stage: local work, learning-rate schedule, server optimizer."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    """A settings block that rejects unknown keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class LrSchedule(Strict):
+    """Client learning rate across rounds (held constant within a round, as in paper 000, App. B.3).
+
+    constant: lr.  exponential: lr * gamma ** (round // every)  (gamma 0.5 = "halve every N rounds").
+    linear: warm up linearly over `warmup` rounds (a fraction of the stage if < 1), then decay linearly to 0.
+    """
+
+    kind: Literal["constant", "exponential", "linear"] = "constant"
+    gamma: float = Field(0.5, gt=0, le=1)
+    every: int = Field(100, ge=1)
+    warmup: float = Field(0.0, ge=0)
+
+    def factor(self, round_idx: int, rounds: int) -> float:
+        """Multiplier of the base client lr at `round_idx` of a stage with `rounds` rounds."""
+        if self.kind == "exponential":
+            return self.gamma ** (round_idx // self.every)
+        if self.kind == "linear":
+            warmup = self.warmup * rounds if self.warmup < 1 else self.warmup
+            if round_idx < warmup:
+                return (round_idx + 1) / math.ceil(warmup)
+            return max(0.0, (rounds - round_idx) / max(1.0, rounds - warmup))
+        return 1.0
+
+
+class LocalConfig(Strict):
+    """What each sampled client does in a round: SGD for `epochs` epochs or `steps` steps."""
+
+    epochs: float | None = Field(None, gt=0)
+    steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(10, ge=1)
+    lr: float = Field(0.05, gt=0)
+    schedule: LrSchedule = LrSchedule()
+    clip_norm: float | None = Field(None, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> LocalConfig:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give local work as `epochs` or `steps`, not both")
+        if self.epochs is None and self.steps is None:
+            self.epochs = 1.0
+        return self
+
+
+class ServerConfig(Strict):
+    """Server optimizer on the shared parameters, the aggregate being its pseudo-gradient.
+
+    sgd with lr 1 and momentum 0 is FedAvg; momentum > 0 is FedAvgM; adam is FedAdam (Reddi et al. 2021).
+    """
+
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(1.0, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = Field(1e-3, gt=0)
+
+
+class StageConfig(Strict):
+    """One stage of a pipeline as the engine sees it (the algorithm's own settings live apart)."""
+
+    rounds: int = Field(1, ge=1)
+    clients_per_round: int | None = Field(None, ge=1)
+    local: LocalConfig = LocalConfig()
+    server: ServerConfig = ServerConfig()
+    eval_every: int = Field(10, ge=1)
+    max_parallel_clients: int = Field(256, ge=1)
+    execution: Literal["auto", "vmap", "loop"] = "auto"

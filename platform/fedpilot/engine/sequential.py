@@ -1,0 +1,65 @@
+"""The plain sequential executor, for tests only: one client at a time, an eager nn.Module and torch.optim.SGD.
+
+It shares nothing with the vectorized executors but the batch plan, so equivalence tests compare the
+engine against textbook PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats
+
+
+class SequentialExecutor:
+    """Eager PyTorch: load a client's parameters into a module copy, loss.backward(), clip, optimizer.step()."""
+
+    name = "sequential"
+    uses_features = False
+
+    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+        results = []
+        for k in range(batches.index.shape[0]):
+            net = copy.deepcopy(module)
+            values = {**{n: v[k] for n, v in trainable.items()}, **{n: v[k] for n, v in frozen.items()}, **fixed}
+            for name, param in net.named_parameters():
+                param.data.copy_(values[name])
+                param.requires_grad_(name in trainable)
+            groups = [{"params": [p], "lr": rule.lr[n], "name": n} for n, p in net.named_parameters() if n in trainable]
+            opt = torch.optim.SGD(groups, lr=1.0, weight_decay=rule.weight_decay)
+            for s in range(batches.index.shape[1]):
+                if not bool(batches.active[k, s]):
+                    continue
+                real = batches.weight[k, s] > 0
+                x = batches.source[batches.index[k, s][real]]
+                y = batches.labels[k, s][real]
+                opt.zero_grad()
+                loss = _loss(net(x), y)
+                if rule.prox:
+                    loss = loss + rule.prox / 2 * sum(
+                        (p - _ref(rule.reference[n], k, trainable[n])).pow(2).sum()
+                        for n, p in net.named_parameters() if n in trainable)
+                loss.backward()
+                if rule.clip_norm is not None:
+                    nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], rule.clip_norm)
+                opt.step()
+                stats.steps[k] += 1
+            results.append({n: p.detach().clone() for n, p in net.named_parameters() if n in trainable})
+        return {n: torch.stack([r[n] for r in results]) for n in trainable}
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    per_token = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none").view(y.shape)
+    return per_token.flatten(1).mean(1).mean() if y.dim() > 1 else per_token.mean()
+
+
+def _ref(reference: torch.Tensor, k: int, param: torch.Tensor) -> torch.Tensor:
+    return reference[k] if reference.dim() == param.dim() else reference
+
+
+EXECUTORS["sequential"] = SequentialExecutor

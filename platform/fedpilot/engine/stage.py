@@ -1,0 +1,176 @@
+"""FederatedStage: a LightningModule whose training_step is one federated round over a sampled cohort."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from fedpilot.engine.aggregate import WeightedMean
+from fedpilot.engine.bank import ClientBank
+from fedpilot.engine.batches import round_generator
+from fedpilot.engine.cohort import Cohort, RoundWork
+from fedpilot.engine.config import StageConfig
+from fedpilot.engine.evaluate import evaluate_clients
+from fedpilot.engine.local import Params, choose_execution
+from fedpilot.engine.metrics import distribution
+
+
+class _Rounds(IterableDataset):
+    """The stage's 'data': an endless stream of round tokens (the round index is the global step)."""
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield 0
+
+
+class FederatedStage(L.LightningModule):
+    """One stage of a pipeline: `rounds` federated rounds of one algorithm on a federated dataset.
+
+    The model's parameters named in `personal_names` live per client in a personal bank; the others are
+    shared and stepped by a torch optimizer with the aggregated client update as pseudo-gradient.
+    `data` has client-major tensors x, y and per-split `offsets`/`sizes` (fedpilot.data.FederatedData).
+    """
+
+    def __init__(self, model: nn.Module, personal_names: list[str], data: Any, algorithm: Any,
+                 config: StageConfig, seed: int = 0, stage_index: int = 0, bank: Params | None = None):
+        super().__init__()
+        self.save_hyperparameters(
+            {"config": config.model_dump(), "seed": seed, "stage_index": stage_index,
+             "algorithm": getattr(algorithm, "name", type(algorithm).__name__)})
+        self.automatic_optimization = False
+        self.model, self.data, self.algorithm, self.config = model, data, algorithm, config
+        self.seed, self.stage_index = seed, stage_index
+        params = dict(model.named_parameters())
+        self.personal_names = list(personal_names)
+        self.shared_names = [n for n in params if n not in set(personal_names)]
+        self.register_buffer("_no_shared", torch.zeros(0))
+        init = {n: params[n].detach().clone() for n in self.personal_names}
+        self.personal_init = ClientBank({n: v.unsqueeze(0) for n, v in init.items()})
+        start = bank if bank is not None else {n: v.expand(data.n_clients, *v.shape) for n, v in init.items()}
+        self.bank = ClientBank({n: start[n].clone() for n in self.personal_names})
+        self.execution = config.execution
+        self.history: list[dict[str, Any]] = []
+        self.client_metrics: dict[str, dict[str, torch.Tensor]] = {}
+
+    # ---- what Lightning asks for -------------------------------------------------------------------------
+    @property
+    def n_rounds(self) -> int:
+        """Rounds this stage runs: its `rounds`, or one pass over all clients for one-visit algorithms."""
+        if getattr(self.algorithm, "visits_each_client_once", False):
+            return math.ceil(self.data.n_clients / self._cohort_size())
+        return self.config.rounds
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(_Rounds(), batch_size=None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        server = self.config.server
+        params = [p for n, p in self.model.named_parameters() if n in set(self.shared_names)]
+        params = params or [nn.Parameter(self._no_shared)]
+        if server.optimizer == "adam":
+            return torch.optim.Adam(params, lr=server.lr, betas=server.betas, eps=server.eps)
+        return torch.optim.SGD(params, lr=server.lr, momentum=server.momentum)
+
+    def setup(self, stage: str) -> None:
+        self.data = self.data.to(self.device)
+        if self.execution == "auto":
+            self.execution = choose_execution(self.model, self.device)
+
+    def training_step(self, batch: int, batch_idx: int) -> None:
+        round_idx = self.global_step
+        start = time.perf_counter()
+        stats = self.run_round(round_idx)
+        self.log_dict({"round_time_s": time.perf_counter() - start, **stats}, on_step=True, prog_bar=True)
+        last = round_idx + 1 == self.n_rounds
+        if last or (round_idx + 1) % self.config.eval_every == 0:
+            self.evaluate(["val", "test"] if last else ["val"], round_idx + 1)
+
+    # ---- one round -----------------------------------------------------------------------------------------
+    def _cohort_size(self) -> int:
+        return min(self.config.clients_per_round or self.data.n_clients, self.data.n_clients)
+
+    def sample_cohort(self, round_idx: int) -> torch.Tensor:
+        """Uniform without replacement, seeded by (seed, stage, round); one-visit algorithms take slices."""
+        size, n = self._cohort_size(), self.data.n_clients
+        if getattr(self.algorithm, "visits_each_client_once", False):
+            return torch.arange(round_idx * size, min(n, (round_idx + 1) * size))
+        gen = round_generator(self.seed, self.stage_index, round_idx, 0)
+        return torch.randperm(n, generator=gen)[:size].sort().values
+
+    def shared_params(self) -> Params:
+        params = dict(self.model.named_parameters())
+        return {n: params[n].detach() for n in self.shared_names}
+
+    def round_work(self, round_idx: int) -> RoundWork:
+        data, local = self.data, self.config.local
+        return RoundWork(model=self.model, x=data.x, y=data.y, offsets=data.offsets["train"],
+                         sizes=data.sizes["train"], local=local,
+                         lr_factor=local.schedule.factor(round_idx, self.n_rounds),
+                         seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
+                         personal_names=self.personal_names)
+
+    def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
+        """Local work of the whole cohort (in chunks), aggregation, one server optimizer step."""
+        clients = self.sample_cohort(round_idx).to(self.device)
+        work, shared = self.round_work(round_idx), self.shared_params()
+        init = {n: self.personal_init.tensor(n)[0] for n in self.personal_names}
+        stateful = getattr(self.algorithm, "stateful", True)
+        aggregate = getattr(self.algorithm, "aggregator", WeightedMean)()
+        chunk = chunk or self.config.max_parallel_clients
+        loss = acc = steps = 0.0
+        for lo in range(0, len(clients), chunk):
+            rows = slice(lo, min(lo + chunk, len(clients)))
+            ids = clients[rows]
+            personal = self.bank.get(ids) if stateful else {
+                n: v.expand(len(ids), *v.shape) for n, v in init.items()}
+            cohort = Cohort(work, ids, rows, clients, shared, personal, init)
+            upload = self.algorithm.local_update(cohort)
+            if stateful:
+                self.bank.put(ids, cohort.personal)
+            if upload.shared is not None or upload.grad is not None:
+                aggregate.add(upload, shared, cohort.weights)
+            loss += float(cohort.stats.loss.sum())
+            acc += float(cohort.stats.acc.sum())
+            steps += float(cohort.stats.steps.sum())
+        self.server_step(aggregate.result())
+        up = aggregate.upload_bytes
+        return {"train_loss": loss / max(steps, 1.0), "train_acc": acc / max(steps, 1.0),
+                "clients": float(len(clients)), "bytes_up": float(up),
+                "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
+
+    def server_step(self, pseudo_grad: Params) -> None:
+        """The aggregate becomes the gradient of the shared parameters; the server optimizer steps."""
+        params = dict(self.model.named_parameters())
+        for name, g in pseudo_grad.items():
+            params[name].grad = g.to(params[name].dtype)
+        optimizer = self.optimizers()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def personal_of(self, clients: torch.Tensor) -> Params:
+        return self.bank.get(clients)
+
+    def evaluate(self, splits: list[str], round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Accuracy and loss of every client on `splits`; logs the distribution as `{split}_acc_{stat}`."""
+        head_only = all(n.startswith("head.") for n in self.personal_names)
+        results = {}
+        for split in splits:
+            acc, loss = evaluate_clients(self.model, self.shared_params(), self.personal_of, self.data.x,
+                                         self.data.y, self.data.offsets[split], self.data.sizes[split],
+                                         head_only, self.execution)
+            results[split] = {"acc": acc.cpu(), "loss": loss.cpu()}
+            weights = self.data.sizes[split].cpu().double()
+            summary = {f"{split}_acc_{k}": v for k, v in distribution(acc.cpu(), weights).items()}
+            summary[f"{split}_loss_weighted"] = distribution(loss.cpu(), weights).get("weighted", float("nan"))
+            self.log_dict(summary, on_step=True)
+            self.history.append({"round": round_idx, "split": split, **summary})
+        self.client_metrics.update(results)
+        return results

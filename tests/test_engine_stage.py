@@ -1,0 +1,94 @@
+"""Stage behaviour: resume from a checkpoint, cohort sampling, personal bank, evaluation of every client."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from engine_fixtures import TinyMLP, ToyData, fit
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from fedpilot.algorithms import build_algorithm
+from fedpilot.engine import Cohort, FederatedStage, LocalConfig, ServerConfig, StageConfig
+
+HEAD = ["head.weight", "head.bias"]
+
+
+def make_stage(rounds: int = 6, algo: str = "fedalt", server: ServerConfig | None = None,
+               personal: list[str] = HEAD) -> FederatedStage:
+    torch.manual_seed(0)
+    cfg = StageConfig(rounds=rounds, clients_per_round=5, local=LocalConfig(epochs=1, batch_size=4, lr=0.1),
+                      server=server or ServerConfig(lr=0.7, momentum=0.9), eval_every=2)
+    return FederatedStage(TinyMLP(), personal, ToyData(), build_algorithm(algo), cfg, seed=1)
+
+
+def state(stage: FederatedStage) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in stage.state_dict().items()}
+
+
+def test_resume_mid_stage_gives_identical_parameters(tmp_path):
+    full = make_stage()
+    fit(full)
+    interrupted = make_stage()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
+    L.Trainer(max_steps=3, logger=False, callbacks=[ckpt], enable_progress_bar=False,
+              enable_model_summary=False).fit(interrupted)
+    resumed = make_stage()
+    L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    expected, got = state(full), state(resumed)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], msg=key)
+    assert not torch.equal(state(interrupted)["model.body.1.weight"], expected["model.body.1.weight"])
+
+
+def test_cohort_is_seeded_uniform_without_replacement():
+    stage = make_stage()
+    cohorts = [stage.sample_cohort(r) for r in range(200)]
+    assert all(len(c) == 5 and len(set(c.tolist())) == 5 for c in cohorts)
+    assert torch.equal(cohorts[7], make_stage().sample_cohort(7))
+    counts = torch.bincount(torch.cat(cohorts), minlength=12).float()
+    assert counts.min() > 0.6 * counts.mean()
+
+
+def test_unsampled_clients_keep_their_personal_parameters():
+    stage = make_stage(rounds=1)
+    before = stage.bank.tensor("head.weight").clone()
+    fit(stage)
+    sampled = stage.sample_cohort(0)
+    after = stage.bank.tensor("head.weight")
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[sampled] = False
+    assert torch.equal(after[untouched], before[untouched])
+    assert not torch.equal(after[sampled], before[sampled])
+
+
+def test_final_evaluation_covers_every_client_and_splits():
+    stage = make_stage(rounds=2)
+    fit(stage)
+    assert set(stage.client_metrics) == {"val", "test"}
+    acc = stage.client_metrics["test"]["acc"]
+    assert acc.shape == (12,) and torch.all((acc >= 0) & (acc <= 1))
+    final = [h for h in stage.history if h["split"] == "test"][-1]
+    assert final["test_acc_min"] <= final["test_acc_p50"] <= final["test_acc_max"]
+    assert abs(final["test_acc_mean"] - acc.double().mean().item()) < 1e-9
+
+
+def test_finetune_visits_every_client_once():
+    stage = make_stage(algo="finetune")
+    assert stage.n_rounds == 3
+    assert torch.equal(torch.cat([stage.sample_cohort(r) for r in range(3)]), torch.arange(12))
+
+
+def test_fedavg_with_server_lr_one_is_the_weighted_mean_of_client_models():
+    stage = make_stage(rounds=1, algo="fedavg", server=ServerConfig(lr=1.0), personal=[])
+    before = {n: v.clone() for n, v in stage.shared_params().items()}
+    fit(stage)
+    clients = stage.sample_cohort(0)
+    work = stage.round_work(0)
+    cohort = Cohort(work, clients, slice(0, len(clients)), clients, before, {}, {})
+    local = cohort.sgd("shared").shared
+    w = stage.data.sizes["train"][clients].float()
+    for name, value in stage.shared_params().items():
+        expected = (local[name] * w.view(-1, *[1] * (value.dim()))).sum(0) / w.sum()
+        torch.testing.assert_close(value, expected, atol=1e-6, rtol=1e-5)

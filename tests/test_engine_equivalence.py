@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
 
 import fedpilot.engine.sequential  # noqa: F401  registers the test-only executor
+from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 

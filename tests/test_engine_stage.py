@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from engine_fixtures import TinyMLP, ToyData, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from engine_fixtures import TinyMLP, ToyData, fit
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import Cohort, FederatedStage, LocalConfig, ServerConfig, StageConfig
 

@@ -16,7 +16,7 @@ class SpecError(ValueError):
         message = f"{key}={value!r}: {problem}"
         if self.allowed:
             message += f" (allowed: {', '.join(map(str, self.allowed))})"
-            hint = did_you_mean(value, self.allowed)
+            hint = did_you_mean(value, self.allowed) or did_you_mean(key.rsplit(".", 1)[-1], self.allowed)
             if hint:
                 message += f"; did you mean {hint!r}?"
         super().__init__(message)

@@ -4,7 +4,7 @@ from fedpilot.engine.aggregate import WeightedMean
 from fedpilot.engine.cohort import Cohort, Local, Upload
 from fedpilot.engine.config import LocalConfig, LrSchedule, ServerConfig, StageConfig
 from fedpilot.engine.metrics import distribution
-from fedpilot.engine.stage import FederatedStage
+from fedpilot.engine.stage import FederatedStage, carry_bank
 
 __all__ = ["Cohort", "FederatedStage", "Local", "LocalConfig", "LrSchedule", "ServerConfig", "StageConfig",
-           "Upload", "WeightedMean", "distribution"]
+           "Upload", "WeightedMean", "carry_bank", "distribution"]

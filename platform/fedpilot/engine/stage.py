@@ -174,3 +174,12 @@ class FederatedStage(L.LightningModule):
             self.history.append({"round": round_idx, "split": split, **summary})
         self.client_metrics.update(results)
         return results
+
+
+def carry_bank(previous: FederatedStage, personal_names: list[str]) -> Params:
+    """The starting personal bank of the next stage: a parameter personal before keeps each client's value,
+    a parameter that becomes personal starts as the previous stage's shared value (paper 000, App. B.2)."""
+    shared = previous.shared_params()
+    n = previous.data.n_clients
+    return {name: previous.bank.tensor(name).clone() if name in previous.bank.names
+            else shared[name].expand(n, *shared[name].shape).clone() for name in personal_names}

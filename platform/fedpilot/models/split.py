@@ -1,0 +1,136 @@
+"""ParamSplit: which parameters are personal (one copy per client) and which are shared."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpilot.errors import SpecError
+from fedpilot.models.zoo import BasicBlock, Block
+
+PRESETS = ["none", "input_layer", "output_layer", "adapters", "all"]
+
+
+class Adapter(nn.Module):
+    """Residual bottleneck adapter x + up(relu(down(x))); `up` starts at zero, so it starts as the identity.
+
+    conv=True uses 1x1 convolutions over channels (Rebuffi et al. 2017), otherwise Linear layers over the
+    last dimension (Houlsby et al. 2019).
+    """
+
+    def __init__(self, dim: int, bottleneck: int, conv: bool):
+        super().__init__()
+        layer = (lambda a, b: nn.Conv2d(a, b, 1)) if conv else nn.Linear
+        self.down, self.up = layer(dim, bottleneck), layer(bottleneck, dim)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(F.relu(self.down(x)))
+
+
+@dataclass
+class ParamSplit:
+    """Personal and shared parameter names (in `named_parameters` order) with their sizes."""
+
+    personal_names: list[str]
+    shared_names: list[str]
+    numel: dict[str, int]
+    bytes: dict[str, int]
+
+    def is_personal(self, name: str) -> bool:
+        return name in set(self.personal_names)
+
+    def split(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(shared, personal) parts of a parameter dict."""
+        personal = set(self.personal_names)
+        return ({n: v for n, v in params.items() if n not in personal},
+                {n: v for n, v in params.items() if n in personal})
+
+    def report(self) -> dict[str, int]:
+        """Parameter counts and bytes of the shared part and of one client's personal part."""
+        return {
+            "shared_params": sum(self.numel[n] for n in self.shared_names),
+            "shared_bytes": sum(self.bytes[n] for n in self.shared_names),
+            "personal_params_per_client": sum(self.numel[n] for n in self.personal_names),
+            "personal_bytes_per_client": sum(self.bytes[n] for n in self.personal_names),
+            "total_params": sum(self.numel.values()),
+        }
+
+    def describe(self) -> str:
+        r = self.report()
+        share = r["personal_params_per_client"] / max(r["total_params"], 1)
+        return (f"{r['shared_params']:,} shared + {r['personal_params_per_client']:,} personal parameters per "
+                f"client ({share:.1%} personal)")
+
+
+def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) -> ParamSplit:
+    """Decide the personal parameters by a preset or a list of name regexes; `adapters` inserts them first."""
+    names = [n for n, _ in model.named_parameters()]
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise SpecError("personalization", spec, "unknown preset (or give a list of regexes)", allowed=PRESETS)
+        personal = _preset(model, spec, adapter_dim)
+    else:
+        personal = set()
+        for pattern in spec:
+            matched = {n for n in names if re.fullmatch(pattern, n)}
+            if not matched:
+                raise SpecError("personalization", pattern, "matches no parameter", allowed=names)
+            personal |= matched
+    params = dict(model.named_parameters())
+    return ParamSplit(
+        personal_names=[n for n in params if n in personal],
+        shared_names=[n for n in params if n not in personal],
+        numel={n: p.numel() for n, p in params.items()},
+        bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+    )
+
+
+def _preset(model: nn.Module, preset: str, adapter_dim: int) -> set[str]:
+    names = [n for n, _ in model.named_parameters()]
+    if preset == "none":
+        return set()
+    if preset == "all":
+        return set(names)
+    if preset == "output_layer":
+        return {n for n in names if n.startswith("head.")}
+    if preset == "input_layer":
+        prefix = next(m for m, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False)))
+        return {f"{prefix}.{n}" for n, _ in model.get_submodule(prefix).named_parameters(recurse=False)}
+    insert_adapters(model, adapter_dim)
+    personal = {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, Adapter)
+                for n, _ in mod.named_parameters()}
+    if not personal:
+        raise SpecError("personalization", preset, f"{type(model.body).__name__} body has no place for adapters",
+                        allowed=[p for p in PRESETS if p != "adapters"])
+    return personal
+
+
+def insert_adapters(model: nn.Module, bottleneck: int) -> None:
+    """Houlsby adapters in each transformer block; Rebuffi adapters after each conv stage or residual block;
+    bottleneck adapters after each hidden Linear+ReLU."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        dim = block.proj.out_features
+        block.adapter_attn, block.adapter_mlp = Adapter(dim, bottleneck, False), Adapter(dim, bottleneck, False)
+    if blocks or not isinstance(model.body, nn.Sequential):
+        return
+    layers, channels, width = [], None, None
+    for layer in model.body:
+        layers.append(layer)
+        if isinstance(layer, nn.Conv2d):
+            channels = layer.out_channels
+        elif isinstance(layer, BasicBlock):
+            channels = layer.conv2.out_channels
+        elif isinstance(layer, nn.Linear):
+            width = layer.out_features
+        if isinstance(layer, nn.MaxPool2d | BasicBlock) and channels:
+            layers.append(Adapter(channels, bottleneck, True))
+        elif isinstance(layer, nn.ReLU) and width and isinstance(layers[-2], nn.Linear):
+            layers.append(Adapter(width, bottleneck, False))
+    model.body = nn.Sequential(*layers).to(next(model.parameters()).device)

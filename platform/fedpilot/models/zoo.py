@@ -1,0 +1,140 @@
+"""The model registry. Every model is `head(body(x))`: `body` maps inputs to features, `head` is a Linear.
+
+The engine relies on that split (trunk features once when only the head is personal) and on models being
+functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no state changed in forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpilot.errors import SpecError
+
+
+class Net(nn.Module):
+    """body -> head."""
+
+    def __init__(self, body: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.body, self.head = body, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def logreg(input_shape: tuple[int, ...], num_classes: int) -> Net:
+    return Net(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | tuple[int, ...] = (200,)) -> Net:
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(input_shape)
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    return Net(nn.Sequential(*layers), nn.Linear(width, num_classes))
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> Net:
+    """The 2-conv CNN of FedAvg (McMahan et al. 2017) for EMNIST/FEMNIST: ~1.7M parameters at 28x28, 62 classes."""
+    channels, height, width = input_shape
+    body = nn.Sequential(
+        nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * (height // 4) * (width // 4), hidden), nn.ReLU(),
+    )
+    return Net(body, nn.Linear(hidden, num_classes))
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block with GroupNorm."""
+
+    def __init__(self, cin: int, cout: int, stride: int, groups: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.norm1(self.conv1(x)))
+        return F.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64, groups: int = 2) -> Net:
+    """ResNet-18 with GroupNorm (2 groups, as in Hsieh et al. 2020), 3x3 stride-1 stem, no max-pool."""
+    layers: list[nn.Module] = [nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.GroupNorm(groups, width),
+                               nn.ReLU()]
+    cin = width
+    for i, mult in enumerate((1, 2, 4, 8)):
+        cout = width * mult
+        layers += [BasicBlock(cin, cout, 1 if i == 0 else 2, groups), BasicBlock(cout, cout, 1, groups)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return Net(nn.Sequential(*layers), nn.Linear(cin, num_classes))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm causal self-attention and MLP."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.adapter_attn: nn.Module = nn.Identity()  # Houlsby adapters go here (ParamSplit "adapters")
+        self.adapter_mlp: nn.Module = nn.Identity()
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.adapter_attn(self.attention(self.ln1(x)))
+        return x + self.adapter_mlp(self.mlp(self.ln2(x)))
+
+
+class Embed(nn.Module):
+    """Token plus learned position embeddings."""
+
+    def __init__(self, vocab: int, context: int, d_model: int):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d_model), nn.Embedding(context, d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tokens(idx) + self.positions(torch.arange(idx.shape[-1], device=idx.device))
+
+
+def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
+                d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
+    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab]."""
+    vocab = vocab_size or num_classes
+    body = nn.Sequential(Embed(vocab, input_shape[0], d_model), *[Block(d_model, n_heads) for _ in range(n_layers)],
+                         nn.LayerNorm(d_model))
+    return Net(body, nn.Linear(d_model, vocab))
+
+
+MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "transformer": transformer}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
+    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs."""
+    if name not in MODELS:
+        raise SpecError("model.name", name, "unknown model", allowed=sorted(MODELS))
+    factory = MODELS[name]
+    allowed = list(factory.__code__.co_varnames[2 : factory.__code__.co_argcount])
+    for key in options:
+        if key not in allowed:
+            raise SpecError(f"model.{key}", options[key], f"not an option of model {name!r}", allowed=allowed)
+    return factory(tuple(input_shape), num_classes, **options)

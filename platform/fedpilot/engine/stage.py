@@ -178,8 +178,9 @@ class FederatedStage(L.LightningModule):
 
 def carry_bank(previous: FederatedStage, personal_names: list[str]) -> Params:
     """The starting personal bank of the next stage: a parameter personal before keeps each client's value,
-    a parameter that becomes personal starts as the previous stage's shared value (paper 000, App. B.2)."""
-    shared = previous.shared_params()
+    a parameter that becomes personal starts as its current shared value (paper 000, App. B.2), and one new
+    to the model (an adapter inserted since) starts as the model's own initial value."""
+    current = {n: p.detach() for n, p in previous.model.named_parameters()}
     n = previous.data.n_clients
     return {name: previous.bank.tensor(name).clone() if name in previous.bank.names
-            else shared[name].expand(n, *shared[name].shape).clone() for name in personal_names}
+            else current[name].expand(n, *current[name].shape).clone() for name in personal_names}

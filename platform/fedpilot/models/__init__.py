@@ -1,8 +1,12 @@
-"""Models and the personal/shared split.
+"""Models and the personal/shared parameter split.
 
-Contract for every model: exactly two children, `body` (inputs -> features) and `head` (a Linear, features
--> outputs), forward = head(body(x)); no BatchNorm and no state changed in forward, so the engine can run
-it under torch.func.vmap/grad/functional_call.
+Contract for every model in the zoo (and any model handed to the engine):
+- exactly two children: `body` (inputs -> features) and `head` (an nn.Linear, features -> outputs), and
+  forward(x) = head(body(x)); the engine computes body features once when only `head.*` is personal;
+- functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no buffers or state changed in forward
+  and no data-dependent Python control flow, so it runs under torch.func.functional_call/vmap/grad with one
+  parameter dict per client;
+- seeded initialisation is the caller's job: torch.manual_seed before build_model.
 """
 
 from fedpilot.models.split import PRESETS, Adapter, ParamSplit, apply_split

@@ -43,7 +43,8 @@ class ParamSplit:
     bytes: dict[str, int]
 
     def is_personal(self, name: str) -> bool:
-        return name in set(self.personal_names)
+        """Whether `name` is a personal parameter."""
+        return name in self.personal_names
 
     def split(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(shared, personal) parts of a parameter dict."""
@@ -62,15 +63,15 @@ class ParamSplit:
         }
 
     def describe(self) -> str:
+        """One line: shared and personal parameter counts and the personal share."""
         r = self.report()
         share = r["personal_params_per_client"] / max(r["total_params"], 1)
         return (f"{r['shared_params']:,} shared + {r['personal_params_per_client']:,} personal parameters per "
-                f"client ({share:.1%} personal)")
+                f"client ({share:.2%} personal)")
 
 
 def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) -> ParamSplit:
     """Decide the personal parameters by a preset or a list of name regexes; `adapters` inserts them first."""
-    names = [n for n, _ in model.named_parameters()]
     if isinstance(spec, str):
         if spec not in PRESETS:
             raise SpecError("personalization", spec, "unknown preset (or give a list of regexes)", allowed=PRESETS)
@@ -78,9 +79,10 @@ def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) 
     else:
         personal = set()
         for pattern in spec:
-            matched = {n for n in names if re.fullmatch(pattern, n)}
+            matched = {n for n, _ in model.named_parameters() if re.fullmatch(pattern, n)}
             if not matched:
-                raise SpecError("personalization", pattern, "matches no parameter", allowed=names)
+                raise SpecError("personalization", pattern, "matches no parameter name",
+                                allowed=[n for n, _ in model.named_parameters()])
             personal |= matched
     params = dict(model.named_parameters())
     return ParamSplit(
@@ -92,6 +94,7 @@ def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) 
 
 
 def _preset(model: nn.Module, preset: str, adapter_dim: int) -> set[str]:
+    """The personal parameter names of a preset."""
     names = [n for n, _ in model.named_parameters()]
     if preset == "none":
         return set()
@@ -102,35 +105,42 @@ def _preset(model: nn.Module, preset: str, adapter_dim: int) -> set[str]:
     if preset == "input_layer":
         prefix = next(m for m, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False)))
         return {f"{prefix}.{n}" for n, _ in model.get_submodule(prefix).named_parameters(recurse=False)}
-    insert_adapters(model, adapter_dim)
+    if not any(isinstance(m, Adapter) for m in model.modules()):
+        insert_adapters(model, adapter_dim)
     personal = {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, Adapter)
                 for n, _ in mod.named_parameters()}
     if not personal:
-        raise SpecError("personalization", preset, f"{type(model.body).__name__} body has no place for adapters",
-                        allowed=[p for p in PRESETS if p != "adapters"])
+        raise SpecError("personalization", preset, f"model {type(model.body).__name__} body has no place for "
+                        "adapters", allowed=[p for p in PRESETS if p != "adapters"])
     return personal
 
 
 def insert_adapters(model: nn.Module, bottleneck: int) -> None:
-    """Houlsby adapters in each transformer block; Rebuffi adapters after each conv stage or residual block;
-    bottleneck adapters after each hidden Linear+ReLU."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        dim = block.proj.out_features
-        block.adapter_attn, block.adapter_mlp = Adapter(dim, bottleneck, False), Adapter(dim, bottleneck, False)
-    if blocks or not isinstance(model.body, nn.Sequential):
+    """Insert identity-initialised adapters in place, leaving the names of existing parameters unchanged.
+
+    Houlsby adapters after attention and after the MLP of each transformer block; a Rebuffi (1x1 conv)
+    adapter after each residual block and after each conv+ReLU+max-pool stage; a bottleneck adapter after
+    each hidden Linear+ReLU.
+    """
+    like = next(model.parameters())
+
+    def adapter(dim: int, conv: bool) -> Adapter:
+        return Adapter(dim, bottleneck, conv).to(like.device, like.dtype)
+
+    for module in list(model.modules()):
+        if isinstance(module, Block):
+            dim = module.proj.out_features
+            module.adapter_attn, module.adapter_mlp = adapter(dim, False), adapter(dim, False)
+        elif isinstance(module, BasicBlock):
+            module.adapter = adapter(module.conv2.out_channels, True)
+    if not isinstance(model.body, nn.Sequential):
         return
-    layers, channels, width = [], None, None
-    for layer in model.body:
-        layers.append(layer)
+    previous, channels = None, 0
+    for i, layer in enumerate(list(model.body)):
         if isinstance(layer, nn.Conv2d):
             channels = layer.out_channels
-        elif isinstance(layer, BasicBlock):
-            channels = layer.conv2.out_channels
-        elif isinstance(layer, nn.Linear):
-            width = layer.out_features
-        if isinstance(layer, nn.MaxPool2d | BasicBlock) and channels:
-            layers.append(Adapter(channels, bottleneck, True))
-        elif isinstance(layer, nn.ReLU) and width and isinstance(layers[-2], nn.Linear):
-            layers.append(Adapter(width, bottleneck, False))
-    model.body = nn.Sequential(*layers).to(next(model.parameters()).device)
+        elif isinstance(layer, nn.MaxPool2d) and channels:
+            model.body[i] = nn.Sequential(layer, adapter(channels, True))
+        elif isinstance(layer, nn.ReLU) and isinstance(previous, nn.Linear):
+            model.body[i] = nn.Sequential(layer, adapter(previous.out_features, False))
+        previous = layer

@@ -6,6 +6,7 @@ functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no state chan
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -28,10 +29,12 @@ class Net(nn.Module):
 
 
 def logreg(input_shape: tuple[int, ...], num_classes: int) -> Net:
+    """Multinomial logistic regression on the flattened input."""
     return Net(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | tuple[int, ...] = (200,)) -> Net:
+    """Flatten, then Linear+ReLU per hidden size."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
     for h in hidden:
@@ -42,7 +45,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | tupl
 
 def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> Net:
     """The 2-conv CNN of FedAvg (McMahan et al. 2017) for EMNIST/FEMNIST: ~1.7M parameters at 28x28, 62 classes."""
-    channels, height, width = input_shape
+    channels, height, width = _check_rank("cnn", input_shape, 3, "images (channels, height, width)")
     body = nn.Sequential(
         nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
@@ -52,7 +55,7 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> Ne
 
 
 class BasicBlock(nn.Module):
-    """ResNet basic block with GroupNorm."""
+    """ResNet basic block with GroupNorm; `adapter` is where a Rebuffi adapter goes (ParamSplit "adapters")."""
 
     def __init__(self, cin: int, cout: int, stride: int, groups: int):
         super().__init__()
@@ -63,15 +66,19 @@ class BasicBlock(nn.Module):
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
+        self.adapter: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.norm1(self.conv1(x)))
-        return F.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+        return self.adapter(F.relu(self.norm2(self.conv2(out)) + self.shortcut(x)))
 
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64, groups: int = 2) -> Net:
     """ResNet-18 with GroupNorm (2 groups, as in Hsieh et al. 2020), 3x3 stride-1 stem, no max-pool."""
-    layers: list[nn.Module] = [nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.GroupNorm(groups, width),
+    channels = _check_rank("resnet18", input_shape, 3, "images (channels, height, width)")[0]
+    if groups < 1 or width % groups:
+        raise SpecError("model.groups", groups, f"must be a positive divisor of width={width}")
+    layers: list[nn.Module] = [nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.GroupNorm(groups, width),
                                nn.ReLU()]
     cin = width
     for i, mult in enumerate((1, 2, 4, 8)):
@@ -82,8 +89,20 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64, gr
     return Net(nn.Sequential(*layers), nn.Linear(cin, num_classes))
 
 
+class Embed(nn.Module):
+    """Token plus learned position embeddings, both owned here (so they form the "input_layer")."""
+
+    def __init__(self, vocab: int, context: int, d_model: int):
+        super().__init__()
+        self.tokens = nn.Parameter(0.02 * torch.randn(vocab, d_model))
+        self.positions = nn.Parameter(0.02 * torch.randn(context, d_model))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.tokens) + self.positions[: idx.shape[-1]]
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm causal self-attention and MLP."""
+    """Pre-LayerNorm causal self-attention and MLP; the adapter slots take Houlsby adapters (ParamSplit)."""
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -91,7 +110,7 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-        self.adapter_attn: nn.Module = nn.Identity()  # Houlsby adapters go here (ParamSplit "adapters")
+        self.adapter_attn: nn.Module = nn.Identity()
         self.adapter_mlp: nn.Module = nn.Identity()
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,23 +124,18 @@ class Block(nn.Module):
         return x + self.adapter_mlp(self.mlp(self.ln2(x)))
 
 
-class Embed(nn.Module):
-    """Token plus learned position embeddings."""
-
-    def __init__(self, vocab: int, context: int, d_model: int):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(vocab, d_model), nn.Embedding(context, d_model)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tokens(idx) + self.positions(torch.arange(idx.shape[-1], device=idx.device))
-
-
 def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
-                d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
-    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab]."""
+                context: int | None = None, d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
+    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab].
+
+    `vocab_size` defaults to `num_classes` and `context` (the longest sequence) to the input length.
+    """
+    length = _check_rank("transformer", input_shape, 1, "token sequences (length,)")[0]
+    if n_heads < 1 or d_model % n_heads:
+        raise SpecError("model.n_heads", n_heads, f"must be a positive divisor of d_model={d_model}")
     vocab = vocab_size or num_classes
-    body = nn.Sequential(Embed(vocab, input_shape[0], d_model), *[Block(d_model, n_heads) for _ in range(n_layers)],
-                         nn.LayerNorm(d_model))
+    blocks = [Block(d_model, n_heads) for _ in range(n_layers)]
+    body = nn.Sequential(Embed(vocab, context or length, d_model), *blocks, nn.LayerNorm(d_model))
     return Net(body, nn.Linear(d_model, vocab))
 
 
@@ -131,10 +145,17 @@ MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "trans
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
     """The registered model `name` for inputs of `input_shape` and `num_classes` outputs."""
     if name not in MODELS:
-        raise SpecError("model.name", name, "unknown model", allowed=sorted(MODELS))
+        raise SpecError("model.name", name, "unknown model", allowed=list(MODELS))
     factory = MODELS[name]
-    allowed = list(factory.__code__.co_varnames[2 : factory.__code__.co_argcount])
-    for key in options:
+    allowed = list(inspect.signature(factory).parameters)[2:]
+    for key, value in options.items():
         if key not in allowed:
-            raise SpecError(f"model.{key}", options[key], f"not an option of model {name!r}", allowed=allowed)
+            raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
     return factory(tuple(input_shape), num_classes, **options)
+
+
+def _check_rank(name: str, input_shape: tuple[int, ...], rank: int, what: str) -> tuple[int, ...]:
+    """`input_shape` if it has `rank` dimensions, else a SpecError saying what the model takes."""
+    if len(input_shape) != rank:
+        raise SpecError("model.name", name, f"takes {what}, but the inputs have shape {tuple(input_shape)}")
+    return tuple(input_shape)

@@ -17,8 +17,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
-	$(BIN)/fedpilot run pipelines/quickstart.yaml
+demo: install  ## describes the quickstart dataset until `fedpilot run` lands
+	$(BIN)/fedpilot data describe pipelines/quickstart.yaml
 
 lint: install
 	$(BIN)/ruff check platform tests bench

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -14,11 +14,12 @@ class Strict(BaseModel):
 
 
 class SyntheticSource(Strict):
-    """LEAF/FedProx Synthetic(alpha, beta): client-specific logistic models, lognormal client sizes.
+    """LEAF/FedProx Synthetic(alpha, beta) (Li et al. 2020): client-specific logistic models.
 
     Client k: u_k ~ N(0, alpha), B_k ~ N(0, beta); W_k, b_k ~ N(u_k, 1); v_k ~ N(B_k, 1);
-    x ~ N(v_k, diag(j^-1.2)); y = argmax(softmax(W_k x + b_k)). Sizes: lognormal(mean_size, sigma) + 50
-    (LEAF uses lognormal(4, 2) + 50), clipped at max_size.
+    x ~ N(v_k, diag(j^-1.2)); y = argmax(W_k x + b_k). alpha and beta are the normal scales, as in the
+    reference code. Client sizes: int(lognormal(mean_size, sigma)) + 50 (LEAF: lognormal(4, 2) + 50),
+    clipped at max_size. The natural client column is `client`.
     """
 
     kind: Literal["synthetic"] = "synthetic"
@@ -40,7 +41,7 @@ class DigitsSource(Strict):
 
 
 class HFSource(Strict):
-    """A Hugging Face dataset: hub name, a `save_to_disk` folder, or parquet file(s)."""
+    """A Hugging Face dataset: a hub name, a `save_to_disk` folder, or parquet file(s) (a path or glob)."""
 
     kind: Literal["hf"] = "hf"
     path: str
@@ -52,24 +53,29 @@ class HFSource(Strict):
     max_samples: int | None = Field(None, ge=1)
 
 
-Source = Annotated[SyntheticSource | DigitsSource | HFSource, Field(discriminator="kind")]
+SOURCES = {"synthetic": SyntheticSource, "digits": DigitsSource, "hf": HFSource}
+SourceSpec = Annotated[SyntheticSource | DigitsSource | HFSource, Field(discriminator="kind")]
 
 
 class PartitionSpec(Strict):
-    """How samples become clients: natural (by a column), iid, dirichlet(alpha) over labels, shards."""
+    """How samples become clients: natural (by a column), iid, dirichlet(alpha) over labels, shards.
+
+    dirichlet with balanced=True follows Hsu et al. 2019: every client draws label proportions and gets
+    n / clients samples. balanced=False is the per-class allocation of Yurochkin et al. 2019 / NIID-Bench:
+    each class is split across clients by Dir(alpha), so client sizes vary too (see partition.py).
+    """
 
     kind: Literal["natural", "iid", "dirichlet", "shards"] = "natural"
     clients: int | None = Field(None, ge=1)
-    alpha: float = 0.5
+    alpha: float = Field(0.5, gt=0)
+    balanced: bool = True
     classes_per_client: int = Field(2, ge=1)
     column: str | None = None
     min_size: int = Field(10, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> PartitionSpec:
-        if self.kind == "dirichlet" and self.alpha <= 0:
-            raise SpecError("dataset.partition.alpha", self.alpha, "must be > 0")
-        if self.kind in {"iid", "dirichlet", "shards"} and self.clients is None:
+    def _clients_required(self) -> PartitionSpec:
+        if self.kind != "natural" and self.clients is None:
             raise SpecError("dataset.partition.clients", None, f"required for partition kind {self.kind!r}")
         return self
 
@@ -87,50 +93,52 @@ class SplitSpec(Strict):
         if abs(total - 1) > 1e-6:
             raise SpecError("dataset.split", self.model_dump(), f"fractions must sum to 1, not {total:g}")
         if self.train <= 0:
-            raise SpecError("dataset.split.train", self.train, "must be > 0")
+            raise SpecError("dataset.split.train", self.train, "must be > 0: every client trains")
         return self
 
 
 class DatasetSpec(Strict):
-    source: Source
+    """A federated dataset: where samples come from, how they become clients, how clients split them."""
+
+    source: SourceSpec
     partition: PartitionSpec = Field(default_factory=PartitionSpec)
     split: SplitSpec = Field(default_factory=SplitSpec)
     seed: int | None = None
     normalize: bool = False
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], prefix: str = "dataset") -> DatasetSpec:
-        """Validate a dataset mapping; the first problem becomes a SpecError naming its key path."""
+    def from_dict(cls, d: dict[str, Any]) -> DatasetSpec:
+        """Validate a `dataset:` mapping; the first problem (unknown keys first) becomes a SpecError naming its key."""
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(d)
         except ValidationError as err:
-            raise _spec_error(err, raw, prefix) from None
+            errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")  # a typo beats its "missing"
+            raise _spec_error(errors[0]) from None
 
 
-def _spec_error(err: ValidationError, raw: dict[str, Any], prefix: str) -> SpecError:
-    """Translate pydantic's first error into a SpecError, with allowed names for unknown keys and kinds."""
-    first = err.errors()[0]
-    cause = (first.get("ctx") or {}).get("error")
+def _spec_error(error: dict[str, Any]) -> SpecError:
+    """A pydantic error as a SpecError `dataset.<loc>`, listing allowed keys, kinds and literal values."""
+    cause = (error.get("ctx") or {}).get("error")
     if isinstance(cause, SpecError):
         return cause
-    loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"synthetic", "digits", "hf"})]
-    key = ".".join([prefix, *loc])
-    value = first.get("input")
-    if first["type"] == "extra_forbidden":
-        return SpecError(key, value, "unknown key", allowed=_fields_at(loc[:-1], raw))
-    if first["type"] == "union_tag_invalid":
-        return SpecError(f"{key}.kind", (value or {}).get("kind"), "unknown source kind",
-                         allowed=["synthetic", "digits", "hf"])
-    return SpecError(key, value, first["msg"])
+    owner, loc = _owner([str(p) for p in error["loc"]])
+    key, value, kind = ".".join(["dataset", *loc]), error.get("input"), error["type"]
+    if kind in {"union_tag_invalid", "union_tag_not_found"}:
+        tag = value.get("kind") if isinstance(value, dict) else None
+        return SpecError(f"{key}.kind", tag, "unknown source kind", allowed=list(SOURCES))
+    if kind == "extra_forbidden":
+        return SpecError(key, value, "unknown key", allowed=list(owner.model_fields))
+    if kind == "literal_error":
+        return SpecError(key, value, "not an allowed value", allowed=get_args(owner.model_fields[loc[-1]].annotation))
+    if kind == "missing":
+        return SpecError(key, None, "required")
+    return SpecError(key, value, error["msg"])
 
 
-def _fields_at(loc: list[str], raw: dict[str, Any]) -> list[str]:
-    """The keys allowed at a location of a DatasetSpec."""
-    model: type[BaseModel] = DatasetSpec
-    for part in loc:
-        if part == "source":
-            kind = (raw.get("source") or {}).get("kind")
-            return list({"synthetic": SyntheticSource, "digits": DigitsSource, "hf": HFSource}.get(
-                kind, DigitsSource).model_fields)
-        model = {"partition": PartitionSpec, "split": SplitSpec}.get(part, model)
-    return list(model.model_fields)
+def _owner(loc: list[str]) -> tuple[type[BaseModel], list[str]]:
+    """The model that holds the last key of an error location, and the location without pydantic's union tag."""
+    if len(loc) > 2 and loc[0] == "source" and loc[1] in SOURCES:
+        return SOURCES[loc[1]], ["source", *loc[2:]]
+    if len(loc) > 1 and loc[0] in {"partition", "split"}:
+        return {"partition": PartitionSpec, "split": SplitSpec}[loc[0]], loc
+    return DatasetSpec, loc

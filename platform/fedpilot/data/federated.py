@@ -5,8 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +15,14 @@ from fedpilot.data.config import DatasetSpec
 from fedpilot.data.partition import partition, split_client
 from fedpilot.data.sources import load_source
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
 
 
-@dataclass
+@dataclass(eq=False)
 class FederatedData:
     """All samples in one tensor, client after client (each client's train, val, test samples in a row),
-    with per-split offsets and sizes [n_clients] into it."""
+    with per-split offsets and sizes [n_clients] into it. `cache_hit` says whether it came from the disk cache."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -33,74 +32,74 @@ class FederatedData:
     feature_shape: tuple[int, ...]
     client_names: list[str]
     fingerprint: str
-    cache_hit: bool = field(default=False, compare=False)
+    cache_hit: bool = False
 
     @property
     def n_clients(self) -> int:
         return len(self.client_names)
 
     def to(self, device: torch.device | str) -> FederatedData:
-        move = {k: v.to(device) for k, v in self.offsets.items()}, {k: v.to(device) for k, v in self.sizes.items()}
-        return replace(self, x=self.x.to(device), y=self.y.to(device), offsets=move[0], sizes=move[1])
+        """A copy with every tensor on `device`."""
+        offsets = {k: v.to(device) for k, v in self.offsets.items()}
+        sizes = {k: v.to(device) for k, v in self.sizes.items()}
+        return replace(self, x=self.x.to(device), y=self.y.to(device), offsets=offsets, sizes=sizes)
 
     def split_indices(self, split: str, client: int) -> torch.Tensor:
+        """Row indices into x / y of one client's split."""
         start = int(self.offsets[split][client])
-        return torch.arange(start, start + int(self.sizes[split][client]))
+        return torch.arange(start, start + int(self.sizes[split][client]), device=self.y.device)
 
     def state(self) -> dict:
+        """What the cache stores: tensors and plain Python values only (loadable with weights_only=True)."""
         return {"x": self.x, "y": self.y, "offsets": self.offsets, "sizes": self.sizes,
                 "num_classes": self.num_classes, "feature_shape": list(self.feature_shape),
                 "client_names": self.client_names, "fingerprint": self.fingerprint}
 
 
 def fingerprint(spec: DatasetSpec, seed: int) -> str:
-    """Hash of everything that determines the tensors: spec, effective seed, storage format."""
-    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION}, sort_keys=True)
+    """sha256 (16 hex chars) of everything that determines the tensors: spec, effective seed, FORMAT_VERSION."""
+    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION},
+                      sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
+    """$FEDPILOT_CACHE, else .fedpilot-cache/data under the working directory."""
     return Path(os.environ.get("FEDPILOT_CACHE", ".fedpilot-cache/data"))
 
 
 def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = None) -> FederatedData:
-    """The federated dataset of `spec` (its own seed, else `seed`), from the cache when built before."""
+    """The federated dataset of `spec` (with spec.seed, else `seed`), loaded from the cache when built before."""
     seed = spec.seed if spec.seed is not None else seed
     key = fingerprint(spec, seed)
     path = Path(cache_dir or default_cache_dir()) / f"{key}.pt"
     if path.exists():
         state = torch.load(path, weights_only=True)
-        state["feature_shape"] = tuple(state["feature_shape"])
-        return FederatedData(**state, cache_hit=True)
+        return FederatedData(**{**state, "feature_shape": tuple(state["feature_shape"])}, cache_hit=True)
     data = _build(spec, seed, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        torch.save(data.state(), tmp)
-    os.replace(tmp.name, path)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(data.state(), tmp)
+    os.replace(tmp, path)
     return data
 
 
 def _build(spec: DatasetSpec, seed: int, key: str) -> FederatedData:
+    """Load, partition, split each client, and lay the samples out client-major."""
     rng = np.random.default_rng([seed, 1])
-    raw = load_source(spec.source, seed)
+    raw = load_source(spec.source, seed, spec.partition.column)
     clients = partition(raw.y, raw.groups, spec.partition, rng)
     parts = [split_client(idx, raw.y, spec.split, rng) for idx in clients]
     order = np.concatenate([p[s] for p in parts for s in SPLITS])
-    sizes = {s: torch.tensor([len(p[s]) for p in parts], dtype=torch.long) for s in SPLITS}
+    sizes = {s: torch.tensor([len(p[s]) for p in parts], dtype=torch.int64) for s in SPLITS}
     totals = sizes["train"] + sizes["val"] + sizes["test"]
     starts = torch.cumsum(totals, 0) - totals
     offsets = {"train": starts, "val": starts + sizes["train"], "test": starts + sizes["train"] + sizes["val"]}
     x = torch.from_numpy(raw.x[order])
     if spec.normalize:
-        train = torch.cat([x[int(o) : int(o) + int(n)] for o, n in zip(offsets["train"], sizes["train"], strict=True)])
+        train = torch.from_numpy(raw.x[np.concatenate([p["train"] for p in parts])])
         x = (x - train.mean(0)) / train.std(0).clamp_min(1e-6)
-    names = _client_names(raw.groups, clients)
+    natural = spec.partition.kind == "natural"
+    names = [str(raw.groups[c[0]]) if natural else str(i) for i, c in enumerate(clients)]
     return FederatedData(x.contiguous(), torch.from_numpy(raw.y[order]), offsets, sizes, raw.num_classes,
                          raw.feature_shape, names, key)
-
-
-def _client_names(groups: np.ndarray | None, clients: list[np.ndarray]) -> list[str]:
-    """The natural group value of each client (e.g. a writer id), else its index."""
-    if groups is None:
-        return [str(i) for i in range(len(clients))]
-    return [str(groups[c[0]]) for c in clients]

@@ -10,6 +10,8 @@ import numpy as np
 from fedpilot.data.config import DigitsSource, HFSource, SyntheticSource
 from fedpilot.errors import SpecError
 
+DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
+
 
 @dataclass
 class RawData:
@@ -22,34 +24,37 @@ class RawData:
     feature_shape: tuple[int, ...]
 
 
-def load_source(source: SyntheticSource | DigitsSource | HFSource, seed: int) -> RawData:
+def load_source(source: SyntheticSource | DigitsSource | HFSource, seed: int, column: str | None = None) -> RawData:
+    """The samples of `source`; `column` (dataset.partition.column) overrides its natural client column."""
+    if isinstance(source, HFSource):
+        return hugging_face(source, column)
+    if column is not None and not (isinstance(source, SyntheticSource) and column == "client"):
+        allowed = ["client"] if isinstance(source, SyntheticSource) else []
+        raise SpecError("dataset.partition.column", column, f"no such column in a {source.kind} source", allowed)
     if isinstance(source, SyntheticSource):
         return synthetic(source, seed if source.seed is None else source.seed)
-    if isinstance(source, DigitsSource):
-        return digits()
-    return hugging_face(source)
+    return digits()
 
 
 def synthetic(spec: SyntheticSource, seed: int) -> RawData:
-    """LEAF/FedProx Synthetic(alpha, beta) (Li et al. 2020, Sec. 5.1)."""
+    """LEAF/FedProx Synthetic(alpha, beta) (Li et al. 2020, Sec. 5.1); groups are the client indices."""
     rng = np.random.default_rng(seed)
     sizes = np.minimum(rng.lognormal(spec.mean_size, spec.sigma, spec.n_clients).astype(int) + 50, spec.max_size)
-    cov = np.arange(1, spec.dim + 1, dtype=np.float64) ** -1.2
-    xs, ys, groups = [], [], []
-    for k, n in enumerate(sizes):
-        u, b = rng.normal(0, np.sqrt(spec.alpha)), rng.normal(0, np.sqrt(spec.beta))
-        w = rng.normal(u, 1, (spec.dim, spec.classes))
-        bias = rng.normal(u, 1, spec.classes)
-        v = rng.normal(b, 1, spec.dim)
-        x = rng.normal(v, np.sqrt(cov), (n, spec.dim))
+    scale = np.arange(1, spec.dim + 1, dtype=np.float64) ** -0.6  # std of diag(j^-1.2)
+    xs, ys = [], []
+    for n in sizes:
+        u, b = rng.normal(0, spec.alpha), rng.normal(0, spec.beta)
+        w, bias = rng.normal(u, 1, (spec.dim, spec.classes)), rng.normal(u, 1, spec.classes)
+        x = rng.normal(rng.normal(b, 1, spec.dim), scale, (n, spec.dim))
         xs.append(x)
         ys.append(np.argmax(x @ w + bias, axis=1))
-        groups.append(np.full(n, k))
-    return RawData(np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.int64),
-                   np.concatenate(groups), spec.classes, (spec.dim,))
+    groups = np.repeat(np.arange(spec.n_clients), sizes)
+    return RawData(np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.int64), groups,
+                   spec.classes, (spec.dim,))
 
 
 def digits() -> RawData:
+    """scikit-learn's 8x8 digits, pixels 0..16 scaled to [0, 1]."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -57,42 +62,54 @@ def digits() -> RawData:
     return RawData(x, bunch.target.astype(np.int64), None, 10, (1, 8, 8))
 
 
-def hugging_face(spec: HFSource) -> RawData:
-    """Load by hub name, `save_to_disk` folder or parquet; images become float [C, H, W] in [0, 1]."""
+def hugging_face(spec: HFSource, column: str | None = None) -> RawData:
+    """Features, labels and (if named) client groups of a Hugging Face dataset."""
     table = _load_table(spec)
-    columns = list(table.column_names)
-    for key, column in (("feature", spec.feature), ("label", spec.label), ("partition_column", spec.partition_column)):
-        if column is not None and column not in columns:
-            raise SpecError(f"dataset.source.{key}", column, "no such column", allowed=columns)
+    group_key = "dataset.partition.column" if column else "dataset.source.partition_column"
+    column = column or spec.partition_column
+    for key, name in (("dataset.source.feature", spec.feature), ("dataset.source.label", spec.label),
+                      (group_key, column)):
+        if name is not None and name not in table.column_names:
+            raise SpecError(key, name, "no such column", allowed=table.column_names)
     if spec.max_samples:
         table = table.select(range(min(spec.max_samples, len(table))))
     x = _features(table, spec.feature)
     labels, num_classes = _labels(table, spec.label)
-    groups = np.asarray(table[spec.partition_column]) if spec.partition_column else None
+    groups = np.asarray(table[column]) if column else None
     return RawData(x, labels, groups, num_classes, tuple(x.shape[1:]))
 
 
 def _load_table(spec: HFSource):
+    """A `datasets.Dataset`: from a `save_to_disk` folder, parquet file(s), or the hub."""
     import datasets
 
     path = Path(spec.path)
-    if path.is_dir() and (path / "dataset_info.json").exists():
+    if path.is_dir() and any((path / marker).exists() for marker in DISK_MARKERS):
         loaded = datasets.load_from_disk(str(path))
-        return loaded[spec.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    if spec.path.endswith(".parquet"):
+    elif spec.path.endswith(".parquet") or any(ch in spec.path for ch in "*?["):
         return datasets.load_dataset("parquet", data_files=spec.path, split="train")
-    return datasets.load_dataset(spec.path, spec.name, split=spec.split)
+    else:
+        return datasets.load_dataset(spec.path, spec.name, split=spec.split)
+    if isinstance(loaded, datasets.DatasetDict):
+        if spec.split not in loaded:
+            raise SpecError("dataset.source.split", spec.split, "no such split", allowed=list(loaded))
+        return loaded[spec.split]
+    return loaded
 
 
 def _features(table, column: str) -> np.ndarray:
-    """A column of images (PIL) or numeric arrays as float32 [N, ...]; images get a channel axis."""
+    """A column of images or numeric arrays as float32 [N, ...]; images become [C, H, W] in [0, 1]."""
     import datasets
 
-    feature = table.features[column]
-    if isinstance(feature, datasets.Image):
-        images = np.stack([np.asarray(img, dtype=np.float32) / 255.0 for img in table[column]])
+    if isinstance(table.features[column], datasets.Image):
+        images = np.stack([np.asarray(_plain_mode(img), dtype=np.float32) / 255.0 for img in table[column]])
         return images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2)
     return np.asarray(table.with_format("numpy")[column], dtype=np.float32)
+
+
+def _plain_mode(image):
+    """A PIL image as grayscale (L) or RGB pixels; palette, alpha and other modes become RGB."""
+    return image if image.mode in {"L", "RGB"} else image.convert("RGB")
 
 
 def _labels(table, column: str) -> tuple[np.ndarray, int]:

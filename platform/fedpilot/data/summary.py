@@ -10,6 +10,7 @@ STATS = {"min": 0, "p10": 10, "p25": 25, "median": 50, "p75": 75, "p90": 90, "ma
 
 
 def quantiles(values: np.ndarray) -> dict[str, float]:
+    """min, p10, p25, median, p75, p90, max and mean of per-client values."""
     return {**{k: float(np.percentile(values, q)) for k, q in STATS.items()}, "mean": float(values.mean())}
 
 
@@ -32,6 +33,8 @@ def label_skew(hist: np.ndarray) -> float:
 
 
 def describe(data: FederatedData) -> dict:
+    """A JSON-serialisable summary: clients, classes, per-split totals and per-client size quantiles, the number
+    of distinct train labels per client (quantiles) and label_skew (see `label_skew`)."""
     hist = label_histograms(data)
     return {
         "clients": data.n_clients,
@@ -46,6 +49,7 @@ def describe(data: FederatedData) -> dict:
 
 
 def format_summary(d: dict) -> str:
+    """`describe`'s summary as a text table for the terminal."""
     lines = [f"clients {d['clients']}   classes {d['num_classes']}   features {tuple(d['feature_shape'])}   "
              f"label skew (mean TV distance to global) {d['label_skew']:.3f}",
              "", f"{'per client':<20}" + "".join(f"{k:>8}" for k in [*STATS, "mean"]) + f"{'total':>9}"]

@@ -1,0 +1,116 @@
+"""build_federated_data: client-major layout, determinism, the disk cache, normalisation, summaries, configs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpilot.data import DatasetSpec, FederatedData, build_federated_data, describe, format_summary
+from fedpilot.spec import compose_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ("import hashlib, sys; from fedpilot.data import DatasetSpec, build_federated_data; "
+         "d = build_federated_data(DatasetSpec.from_dict({'source': {'kind': 'digits'}, 'partition': "
+         "{'kind': 'dirichlet', 'alpha': 0.3, 'clients': 30}}), 0, sys.argv[1]); "
+         "print(hashlib.sha256(d.x.numpy().tobytes() + d.y.numpy().tobytes()).hexdigest())")
+
+
+def digits(cache: Path, seed: int = 0, split: dict | None = None, **partition) -> FederatedData:
+    spec = {"source": {"kind": "digits"}, "partition": partition, **({"split": split} if split else {})}
+    return build_federated_data(DatasetSpec.from_dict(spec), seed=seed, cache_dir=cache)
+
+
+def test_client_major_layout(tmp_path):
+    data = digits(tmp_path, kind="dirichlet", clients=30, alpha=0.3)
+    covered = torch.zeros(len(data.y), dtype=torch.int64)
+    for split in ("train", "val", "test"):
+        for c in range(data.n_clients):
+            covered[data.split_indices(split, c)] += 1
+    assert torch.all(covered == 1) and data.x.shape == (1797, 1, 8, 8) and data.y.dtype == torch.int64
+    assert torch.equal(data.offsets["val"], data.offsets["train"] + data.sizes["train"])
+    assert torch.equal(data.offsets["test"], data.offsets["val"] + data.sizes["val"])
+    assert torch.equal(data.offsets["train"][1:], data.offsets["test"][:-1] + data.sizes["test"][:-1])
+    assert data.client_names == [str(i) for i in range(30)] and data.to("cpu").n_clients == 30
+
+
+def test_same_seed_same_tensors_other_seed_differs(tmp_path):
+    a = digits(tmp_path / "a", kind="dirichlet", clients=30, alpha=0.3)
+    b = digits(tmp_path / "b", kind="dirichlet", clients=30, alpha=0.3)
+    c = digits(tmp_path / "c", seed=1, kind="dirichlet", clients=30, alpha=0.3)
+    assert not a.cache_hit and not b.cache_hit and a.fingerprint == b.fingerprint != c.fingerprint
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and torch.equal(a.sizes["train"], b.sizes["train"])
+    assert not torch.equal(a.y, c.y)
+
+
+def test_identical_in_a_fresh_process(tmp_path):
+    here = digits(tmp_path / "here", kind="dirichlet", clients=30, alpha=0.3)
+    expected = hashlib.sha256(here.x.numpy().tobytes() + here.y.numpy().tobytes()).hexdigest()
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "there")], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    assert out == expected
+
+
+def test_cache_hit_and_fingerprint(tmp_path):
+    first = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3)
+    start = time.perf_counter()
+    second = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3)
+    assert time.perf_counter() - start < 1.0
+    assert second.cache_hit and not first.cache_hit and [p.name for p in tmp_path.iterdir()] == [
+        f"{first.fingerprint}.pt"]
+    assert torch.equal(first.y, second.y) and torch.equal(first.x, second.x) and first.feature_shape == second.feature_shape
+    other_split = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3,
+                         split={"train": 0.8, "val": 0.1, "test": 0.1})
+    other_seed = digits(tmp_path, seed=3, kind="dirichlet", clients=100, alpha=0.3)
+    assert len({first.fingerprint, other_split.fingerprint, other_seed.fingerprint}) == 3
+
+
+def test_spec_seed_overrides_the_pipeline_seed(tmp_path):
+    spec = DatasetSpec.from_dict({"source": {"kind": "digits"}, "partition": {"kind": "iid", "clients": 5}, "seed": 7})
+    assert build_federated_data(spec, 0, tmp_path).fingerprint == build_federated_data(spec, 1, tmp_path).fingerprint
+
+
+def test_default_cache_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "env"))
+    spec = DatasetSpec.from_dict({"source": {"kind": "digits"}, "partition": {"kind": "iid", "clients": 5}})
+    data = build_federated_data(spec, 0)
+    assert (tmp_path / "env" / f"{data.fingerprint}.pt").exists()
+
+
+def test_normalize_standardises_train_features(tmp_path):
+    spec = {"source": {"kind": "synthetic", "n_clients": 20, "dim": 8}, "normalize": True}
+    data = build_federated_data(DatasetSpec.from_dict(spec), 0, tmp_path)
+    train = torch.cat([data.x[data.split_indices("train", c)] for c in range(data.n_clients)])
+    torch.testing.assert_close(train.mean(0), torch.zeros(8), atol=1e-4, rtol=0)
+    torch.testing.assert_close(train.std(0), torch.ones(8), atol=1e-4, rtol=0)
+
+
+def test_describe_and_format_summary(tmp_path):
+    summary = describe(digits(tmp_path, kind="dirichlet", clients=20, alpha=0.3))
+    json.dumps(summary)
+    assert summary["clients"] == 20 and summary["num_classes"] == 10 and summary["feature_shape"] == [1, 8, 8]
+    assert sum(summary["samples"].values()) == 1797
+    train = summary["sizes"]["train"]
+    assert train["min"] <= train["p10"] <= train["p25"] <= train["median"] <= train["p75"] <= train["p90"] <= train["max"]
+    assert 1 <= summary["classes_per_client"]["min"] <= summary["classes_per_client"]["max"] <= 10
+    iid = describe(digits(tmp_path, kind="iid", clients=20))
+    assert iid["label_skew"] < 0.2 < summary["label_skew"] < 1
+    text = format_summary(summary)
+    assert "clients 20" in text and "label skew" in text and "train samples" in text
+
+
+@pytest.mark.parametrize("name", ["digits", "synthetic", "femnist"])
+def test_dataset_config_groups_compose(tmp_path, name):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f"defaults: [{{dataset: {name}}}, _self_]\nseed: 0\n")
+    dataset = compose_pipeline(pipeline)["dataset"]
+    spec = DatasetSpec.from_dict(dataset)
+    assert set(dataset) == {"source", "partition", "split"} and spec.source.kind == dataset["source"]["kind"]
+    if name == "digits":
+        assert dataset["partition"] == {"kind": "dirichlet", "alpha": 0.3, "clients": 100, "min_size": 10}

@@ -21,6 +21,7 @@ import fedpilot.engine.sequential  # noqa: F401  registers the reference executo
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data import FederatedData
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.local import choose_execution
 from fedpilot.models import apply_split, build_model
 
 
@@ -91,14 +92,13 @@ def main() -> None:
             seq = seconds_per_round(name, data, k, "sequential", rounds=args.rounds, device=device)
             vm = seconds_per_round(name, data, k, "vmap", rounds=args.rounds, device=device)
             lp = seconds_per_round(name, data, k, "loop", rounds=args.rounds, device=device)
-            from fedpilot.engine.local import choose_execution
-            auto = choose_execution(build_model(name, shape, classes), device)
+            auto = choose_execution("auto", build_model(name, shape, classes), device)
             best = {"vmap": vm, "loop": lp}[auto]
             print(f"{name:5} {k:7d} {seq:13.4f} {vm:9.4f} {lp:9.4f} {auto:>5} {seq / best:10.2f}")
     print("\nhead-only personalization (FedAlt, output layer personal), 50 clients per round:")
     for name, (shape, classes) in workloads.items():
         data = synthetic_clients(100, 20, shape, classes, device)
-        auto = "loop" if name == "cnn" and device.type == "cpu" else "vmap"
+        auto = "auto"
         fast = seconds_per_round(name, data, 50, auto, "fedalt", "output_layer", args.rounds, device)
         slow = seconds_per_round(name, data, 50, "sequential", "fedalt", "output_layer", args.rounds, device)
         ev_fast = evaluation_seconds(name, data, "output_layer", auto)

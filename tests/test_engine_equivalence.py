@@ -9,6 +9,7 @@ import fedpilot.engine.sequential  # noqa: F401  registers the test-only executo
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.local import choose_execution
 
 HEAD = ["head.weight", "head.bias"]
 INPUT = ["body.1.weight", "body.1.bias"]
@@ -73,3 +74,12 @@ def test_conv_model_matches_sequential():
         got = run_stage("fedalt", ["body.0.weight", "body.0.bias"], {}, execution, 4, local, TinyCNN, data)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])
+
+
+def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
+    cnn, cpu = TinyCNN(), torch.device("cpu")
+    assert choose_execution("auto", cnn, cpu) == "loop"
+    assert choose_execution("auto", cnn.head, cpu) == "vmap"  # head-only phases run on trunk features
+    assert choose_execution("auto", TinyMLP(), cpu) == "vmap"
+    assert choose_execution("auto", cnn, torch.device("cuda")) == "vmap"
+    assert choose_execution("loop", TinyMLP(), cpu) == "loop"

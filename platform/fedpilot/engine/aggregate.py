@@ -22,17 +22,21 @@ class WeightedMean:
 
     def add(self, upload: Upload, broadcast: Params, default_weight: torch.Tensor) -> None:
         weight = upload.weight if upload.weight is not None else default_weight
-        values = upload.grad if upload.grad is not None else {
-            n: broadcast[n] - v for n, v in upload.shared.items()}
+        values = upload.grad if upload.grad is not None else upload.shared
         for name, value in values.items():
-            w = weight.to(value.dtype).view(-1, *[1] * (value.dim() - 1))
-            if upload.mask is not None and name in upload.mask:
-                w = w * upload.mask[name].to(value.dtype)
-                self.upload_bytes += int(upload.mask[name].sum()) * value.element_size()
-            else:
+            w = weight.to(value.dtype)
+            mask = upload.mask.get(name) if upload.mask is not None else None
+            if mask is None:
+                total, w_sum = torch.tensordot(w, value, dims=1), w.sum()  # no [K, ...] temporaries
                 self.upload_bytes += value.numel() * value.element_size()
-            self.total[name] = self.total.get(name, 0) + (w * value).sum(0)
-            self.weight[name] = self.weight.get(name, 0) + w.sum(0)
+            else:
+                w = w.view(-1, *[1] * (value.dim() - 1)) * mask.to(value.dtype)
+                total, w_sum = (w * value).sum(0), w.sum(0)
+                self.upload_bytes += int(mask.sum()) * value.element_size()
+            if upload.grad is None:  # deltas: sum_k w_k (broadcast - shared_k)
+                total = w_sum * broadcast[name] - total
+            self.total[name] = self.total.get(name, 0) + total
+            self.weight[name] = self.weight.get(name, 0) + w_sum
 
     def result(self) -> Params:
         return {n: t / torch.as_tensor(self.weight[n]).clamp_min(1e-12) for n, t in self.total.items()}

@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
 from fedpilot.engine.config import LocalConfig
-from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats
+from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats, choose_execution
 
 Part = Literal["personal", "shared", "all"]
 
@@ -130,8 +130,8 @@ class Cohort:
             return dict(self.personal), (batched_shared if per_client_shared else {}), (
                 {} if per_client_shared else dict(shared))
         if train == "shared":
-            return {n: v.clone() for n, v in batched_shared.items()}, dict(self.personal), {}
-        return {**{n: v.clone() for n, v in batched_shared.items()}, **self.personal}, {}, {}
+            return dict(batched_shared), dict(self.personal), {}
+        return {**batched_shared, **self.personal}, {}, {}
 
     def _rule(self, trainable: Params, lr, prox: float, reference: Params | None) -> StepRule:
         local = self.work.local
@@ -145,10 +145,12 @@ class Cohort:
 
     def _run(self, trainable: Params, frozen: Params, fixed: Params, plan: BatchPlan, rule: StepRule) -> Params:
         work = self.work
-        executor = EXECUTORS[work.executor]()
         labels = work.y[plan.index]
         weight = plan.weight.to(work.x.device)
-        if executor.uses_features and work.head_only(list(trainable)) and not frozen:
+        head_only = work.head_only(list(trainable)) and not frozen
+        module = work.model.head if head_only else work.model
+        executor = EXECUTORS[choose_execution(work.executor, module, work.x.device)]()
+        if executor.uses_features and head_only:
             body = {n[len("body."):]: v for n, v in fixed.items() if n.startswith("body.")}
             with torch.no_grad():
                 flat = plan.index.flatten()

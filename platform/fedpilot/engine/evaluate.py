@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.engine.local import Params
+from fedpilot.engine.local import Params, choose_execution
 
 
 def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _scores(module: nn.Module, personal: Params, fixed: Params, source: torch.Te
     def forward(params: Params, inputs: torch.Tensor) -> torch.Tensor:
         return functional_call(module, {**params, **fixed}, (inputs,))
 
-    if execution == "vmap" or not personal:
+    if choose_execution(execution, module, source.device) == "vmap" or not personal:
         logits = vmap(forward, in_dims=(0 if personal else None, 0))(personal, xb)
     else:
         logits = torch.stack([forward({n: v[k] for n, v in personal.items()}, xb[k]) for k in range(len(sizes))])

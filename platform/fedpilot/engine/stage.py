@@ -18,7 +18,7 @@ from fedpilot.engine.batches import round_generator
 from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.local import Params, choose_execution
+from fedpilot.engine.local import Params
 from fedpilot.engine.metrics import distribution
 
 
@@ -80,8 +80,6 @@ class FederatedStage(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.data = self.data.to(self.device)
-        if self.execution == "auto":
-            self.execution = choose_execution(self.model, self.device)
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         round_idx = self.global_step

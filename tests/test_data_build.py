@@ -80,7 +80,7 @@ def test_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "env"))
     spec = DatasetSpec.from_dict({"source": {"kind": "digits"}, "partition": {"kind": "iid", "clients": 5}})
     data = build_federated_data(spec, 0)
-    assert (tmp_path / "env" / f"{data.fingerprint}.pt").exists()
+    assert (tmp_path / "env" / "data" / f"{data.fingerprint}.pt").exists()
 
 
 def test_normalize_standardises_train_features(tmp_path):

@@ -40,8 +40,8 @@ def data_describe(
     pipeline: Pipeline,
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON for machines.")] = False,
-    cache_dir: Annotated[Path | None, typer.Option(help="Dataset cache (default $FEDPILOT_CACHE or "
-                                                       ".fedpilot-cache/data).")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Dataset cache (default <$FEDPILOT_CACHE or "
+                                                       ".fedpilot-cache>/data).")] = None,
 ) -> None:
     """Build (or load from the cache) the pipeline's federated dataset and summarise it."""
     from fedpilot.data import DatasetSpec, build_federated_data, describe, format_summary
@@ -65,6 +65,91 @@ def data_describe(
         typer.echo(format_summary(summary))
         origin = "loaded from cache" if data.cache_hit else "built"
         typer.echo(f"\n{origin} in {seconds:.2f} s (fingerprint {data.fingerprint})")
+
+
+@app.command()
+def validate(pipeline: Pipeline, overrides: Overrides = None) -> None:
+    """Compose and validate a pipeline; print the resolved spec (every default filled in) or the first error."""
+    from omegaconf import OmegaConf
+
+    from fedpilot.spec import load_pipeline
+
+    try:
+        spec = load_pipeline(pipeline, overrides or [])
+    except SpecError as err:
+        fail(err)
+    typer.echo(OmegaConf.to_yaml(spec.resolved()).rstrip())
+    typer.secho(f"ok: {pipeline} is a valid pipeline ({len(spec.stages)} stages: "
+                f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)
+
+
+@app.command()
+def run(
+    pipeline: Annotated[Path | None, typer.Argument(help="Pipeline YAML file (not needed with --resume).")] = None,
+    overrides: Overrides = None,
+    resume: Annotated[str | None, typer.Option(help="Continue an interrupted run (its MLflow parent run id) "
+                                                    "from its last checkpoint.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
+                                                       "$FEDPILOT_CACHE or .fedpilot-cache).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = True,
+) -> None:
+    """Run a pipeline's stages in order, recording everything in MLflow; ends with `run_id: <parent run id>`."""
+    from fedpilot.pipeline import PipelineRunner, load_resumed_spec, quiet_lightning
+    from fedpilot.spec import PipelineSpec, load_pipeline
+    from fedpilot.tracking import tracking_uri
+
+    quiet_lightning()
+    try:
+        if resume:
+            if pipeline is not None or overrides:
+                raise SpecError("--resume", resume, "a resumed run uses its recorded pipeline; give no file or "
+                                "overrides")
+            spec = PipelineSpec.from_dict(load_resumed_spec(resume, tracking_uri()))
+        elif pipeline is None:
+            raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
+        else:
+            spec = load_pipeline(pipeline, overrides or [])
+        runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress)
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"pipeline {spec.name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
+               f"{runner.device.type}, tracking {runner.uri}")
+    result = runner.run(resume=resume)
+    typer.echo("")
+    typer.echo(format_outcomes(result.stages))
+    typer.echo(f"\nbrowse: fedpilot ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
+    typer.echo(f"run_id: {result.run_id}")
+
+
+def format_outcomes(stages: list) -> str:
+    """Per-stage distribution of per-client test accuracy, as a small text table."""
+    cols = ["mean", "weighted", "min", "p10", "p50", "p90"]
+    lines = [f"{'stage':<16}{'cache':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'better':>8}"]
+    for o in stages:
+        better = o.metrics.get("test_acc_frac_better")
+        lines.append(f"{o.name:<16}{o.cache:>6}" + "".join(f"{o.metrics.get('test_acc_' + c, float('nan')):9.3f}"
+                                                         for c in cols)
+                     + (f"{better:8.0%}" if better is not None else f"{'':>8}"))
+    return "per-client test accuracy\n" + "\n".join(lines)
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(help="Port of the MLflow UI.")] = 5000,
+    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",
+) -> None:
+    """Start the MLflow UI on the configured store ($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
+    import os
+
+    from fedpilot.tracking import tracking_uri
+
+    uri = tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        typer.echo(f"the tracking store is a server: open {uri} in a browser")
+        return
+    typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)")
+    os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
+                               "--host", host, "--port", str(port)])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
 
 
 class SpecError(ValueError):
@@ -28,3 +31,69 @@ def did_you_mean(value: Any, allowed: Iterable[Any]) -> str | None:
         return None
     close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def from_validation(err: ValidationError, model: type[BaseModel], prefix: str = "") -> SpecError:
+    """pydantic's first error (an unknown key before the `missing` it causes) as a SpecError naming its key path.
+
+    Unknown keys list the keys allowed there, unknown `kind`s the kinds, literals their values; a SpecError
+    raised inside a validator passes through unchanged.
+    """
+    error = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, SpecError):
+        return cause
+    owner, field_type, loc = _walk(model, error["loc"])
+    key = ".".join([p for p in (prefix, *loc) if p != ""])
+    value, kind = error.get("input"), error["type"]
+    if kind in {"union_tag_invalid", "union_tag_not_found"}:
+        tag = value.get("kind") if isinstance(value, dict) else None
+        what = f"unknown {loc[-1]} kind" if loc else "unknown kind"
+        return SpecError(f"{key}.kind", tag, what, allowed=list(_tags(field_type)))
+    if kind == "extra_forbidden":
+        return SpecError(key, value, "unknown key", allowed=list(owner.model_fields) if owner else None)
+    if kind == "literal_error":
+        return SpecError(key, value, "not an allowed value", allowed=get_args(_strip(field_type)))
+    if kind == "missing":
+        return SpecError(key, None, "required")
+    return SpecError(key, value, error["msg"])
+
+
+def _walk(model: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[type[BaseModel] | None, Any, list[str]]:
+    """(the model holding the last key of `loc`, that key's annotation, `loc` as strings without union tags)."""
+    owner: type[BaseModel] | None = None
+    current: Any = model
+    path: list[str] = []
+    for part in loc:
+        current = _strip(current)
+        tags = _tags(current)
+        if isinstance(part, str) and part in tags:
+            current = tags[part]
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            owner = current
+            current = current.model_fields[part].annotation if part in current.model_fields else None
+        elif get_origin(current) in (list, tuple, dict):
+            current = get_args(current)[-1] if get_args(current) else None
+        path.append(str(part))
+    return owner, current, path
+
+
+def _strip(annotation: Any) -> Any:
+    """An annotation without Annotated[...] and without `| None`."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _strip(members[0])
+    return annotation
+
+
+def _tags(annotation: Any) -> dict[str, type[BaseModel]]:
+    """The `kind` tag -> model of a discriminated union of models (empty for anything else)."""
+    if get_origin(annotation) not in (Union, UnionType):
+        return {}
+    members = [_strip(a) for a in get_args(annotation)]
+    return {m.model_fields["kind"].default: m for m in members
+            if isinstance(m, type) and issubclass(m, BaseModel) and "kind" in m.model_fields}

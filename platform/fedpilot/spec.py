@@ -1,6 +1,6 @@
-"""Pipeline YAML -> composed config: Hydra compose of configs/ groups, the user's file and overrides.
-
-Composition only reads YAML; nothing named in a user's file is imported or instantiated.
+"""Pipeline YAML -> typed PipelineSpec: Hydra compose of configs/ groups, the user's file and overrides,
+then pydantic validation. Components are chosen by registry names; nothing named in a user's file is
+imported or instantiated.
 """
 
 from __future__ import annotations
@@ -8,14 +8,18 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedpilot.errors import SpecError
+from fedpilot.data import DatasetSpec
+from fedpilot.engine.config import StageConfig
+from fedpilot.errors import SpecError, from_validation
+from fedpilot.models import PRESETS, check_model
 
 
 def configs_dir() -> Path:
@@ -42,7 +46,7 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
             cfg = compose(config_name=path.stem, overrides=[search, *overrides])
         composed = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as err:
-        raise SpecError("pipeline", str(path), _first_line(err)) from None
+        raise _compose_error(err, path, overrides) from None
     if not isinstance(composed, dict):
         raise SpecError("pipeline", str(path), "a pipeline is a mapping of keys to values")
     return composed
@@ -56,6 +60,147 @@ def _check_yaml(path: Path) -> None:
         raise SpecError("pipeline", str(path), f"not valid YAML: {_first_line(err)}") from None
 
 
+def _compose_error(err: Exception, path: Path, overrides: list[str] | tuple[str, ...]) -> SpecError:
+    """Hydra's error as a SpecError; an override of a key the pipeline lacks names that key and the fix."""
+    text = str(err)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if f"Could not override '{key}'" in text:
+            return SpecError(key, value, "not a key of the composed pipeline (check the spelling, or add a new "
+                             f"key with +{override})")
+    return SpecError("pipeline", str(path), _first_line(err))
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(BaseModel):
+    """A registered model name (fedpilot.models.MODELS) and its options, e.g. {name: mlp, hidden: [200]}."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _registered(self) -> ModelSpec:
+        check_model(self.name, self.options)
+        return self
+
+
+class PersonalizationSpec(Strict):
+    """Which parameters are personal: a ParamSplit preset or a list of name regexes (a bare value is `split`)."""
+
+    split: str | list[str] = "none"
+    adapter_dim: int = Field(16, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare(cls, value: Any) -> Any:
+        return {"split": value} if isinstance(value, str | list) else value
+
+    @field_validator("split")
+    @classmethod
+    def _preset(cls, split: str | list[str]) -> str | list[str]:
+        if isinstance(split, str) and split not in PRESETS:
+            raise SpecError("personalization", split, "unknown preset (or give a list of name regexes)",
+                            allowed=PRESETS)
+        return split
+
+
+class StageSpec(StageConfig):
+    """One stage: a registered algorithm with its `params`, plus the engine settings of StageConfig.
+
+    `personalization` overrides the pipeline's for this stage; `eval_every` defaults to `evaluation.every`.
+    """
+
+    name: str | None = None
+    algorithm: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    personalization: PersonalizationSpec | None = None
+    eval_every: int | None = Field(None, ge=1)
+
+    def engine_config(self, eval_every: int) -> StageConfig:
+        fields = self.model_dump(include=set(StageConfig.model_fields))
+        return StageConfig.model_validate({**fields, "eval_every": self.eval_every or eval_every})
+
+
+class EvaluationSpec(Strict):
+    """Every client is evaluated on its val split every `every` rounds, and on val and test at each stage's end."""
+
+    every: int = Field(10, ge=1)
+
+
+class TrackingSpec(Strict):
+    """MLflow: the experiment (default: the pipeline name) and the store URI ($MLFLOW_TRACKING_URI wins over
+    `uri`; default sqlite:///mlflow.db); system metrics (CPU, memory, GPU) sampled during the run; plots."""
+
+    experiment: str | None = None
+    uri: str | None = None
+    system_metrics: bool = True
+    plots: bool = True
+
+
+class PipelineSpec(Strict):
+    """A whole pipeline: data, model, personalization, ordered stages, seed, evaluation, tracking."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dataset: DatasetSpec
+    model: ModelSpec
+    personalization: PersonalizationSpec = Field(default_factory=PersonalizationSpec)
+    stages: list[StageSpec] = Field(min_length=1)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PipelineSpec:
+        """Validate a composed pipeline; algorithm params are merged over configs/algorithm/NAME.yaml and checked."""
+        try:
+            spec = cls.model_validate(raw)
+        except ValidationError as err:
+            raise from_validation(err, cls) from None
+        names = [stage.name or stage.algorithm for stage in spec.stages]
+        for i, stage in enumerate(spec.stages):
+            stage.name = names[i]
+            if names.index(names[i]) != i:
+                raise SpecError(f"stages.{i}.name", names[i], "two stages have this name; give each a unique name")
+            stage.params = _algorithm_params(stage.algorithm, stage.params, f"stages.{i}")
+        return spec
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec as plain data, every default filled in (what `fedpilot validate` prints and runs record)."""
+        data = self.model_dump(mode="json")
+        first = ("name", "algorithm", "params")
+        data["stages"] = [{**{k: s[k] for k in first}, **{k: v for k, v in s.items() if k not in first}}
+                          for s in data["stages"]]
+        return data
+
+
+def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, Any]:
+    """The algorithm's defaults from configs/algorithm/NAME.yaml overlaid with `params`, validated."""
+    from fedpilot.algorithms import ALGORITHMS
+
+    if name not in ALGORITHMS:
+        raise SpecError(f"{key}.algorithm", name, "unknown algorithm", allowed=sorted(ALGORITHMS))
+    defaults_file = configs_dir() / "algorithm" / f"{name}.yaml"
+    defaults = OmegaConf.to_container(OmegaConf.load(defaults_file)) if defaults_file.is_file() else {}
+    params_cls = ALGORITHMS[name].Params
+    try:
+        return params_cls.model_validate({**(defaults or {}), **params}).model_dump(mode="json")
+    except ValidationError as err:
+        raise from_validation(err, params_cls, f"{key}.params") from None
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:
+    """Compose and validate a pipeline file: the one entry point of `fedpilot validate/run/search`."""
+    return PipelineSpec.from_dict(compose_pipeline(path, overrides))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import SpecError, from_validation
 
 
 class Strict(BaseModel):
@@ -108,37 +108,8 @@ class DatasetSpec(Strict):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetSpec:
-        """Validate a `dataset:` mapping; the first problem (unknown keys first) becomes a SpecError naming its key."""
+        """Validate a `dataset:` mapping; the first problem becomes a SpecError naming its key path."""
         try:
             return cls.model_validate(d)
         except ValidationError as err:
-            errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")  # a typo beats its "missing"
-            raise _spec_error(errors[0]) from None
-
-
-def _spec_error(error: dict[str, Any]) -> SpecError:
-    """A pydantic error as a SpecError `dataset.<loc>`, listing allowed keys, kinds and literal values."""
-    cause = (error.get("ctx") or {}).get("error")
-    if isinstance(cause, SpecError):
-        return cause
-    owner, loc = _owner([str(p) for p in error["loc"]])
-    key, value, kind = ".".join(["dataset", *loc]), error.get("input"), error["type"]
-    if kind in {"union_tag_invalid", "union_tag_not_found"}:
-        tag = value.get("kind") if isinstance(value, dict) else None
-        return SpecError(f"{key}.kind", tag, "unknown source kind", allowed=list(SOURCES))
-    if kind == "extra_forbidden":
-        return SpecError(key, value, "unknown key", allowed=list(owner.model_fields))
-    if kind == "literal_error":
-        return SpecError(key, value, "not an allowed value", allowed=get_args(owner.model_fields[loc[-1]].annotation))
-    if kind == "missing":
-        return SpecError(key, None, "required")
-    return SpecError(key, value, error["msg"])
-
-
-def _owner(loc: list[str]) -> tuple[type[BaseModel], list[str]]:
-    """The model that holds the last key of an error location, and the location without pydantic's union tag."""
-    if len(loc) > 2 and loc[0] == "source" and loc[1] in SOURCES:
-        return SOURCES[loc[1]], ["source", *loc[2:]]
-    if len(loc) > 1 and loc[0] in {"partition", "split"}:
-        return {"partition": PartitionSpec, "split": SplitSpec}[loc[0]], loc
-    return DatasetSpec, loc
+            raise from_validation(err, cls, "dataset") from None

@@ -63,9 +63,14 @@ def fingerprint(spec: DatasetSpec, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """fedpilot's cache ($FEDPILOT_CACHE, else .fedpilot-cache in the working directory): data/, stages/, runs/."""
+    return Path(os.environ.get("FEDPILOT_CACHE", ".fedpilot-cache"))
+
+
 def default_cache_dir() -> Path:
-    """$FEDPILOT_CACHE, else .fedpilot-cache/data under the working directory."""
-    return Path(os.environ.get("FEDPILOT_CACHE", ".fedpilot-cache/data"))
+    """Where built federated datasets are cached: <cache root>/data."""
+    return cache_root() / "data"
 
 
 def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = None) -> FederatedData:

@@ -57,6 +57,8 @@ class FederatedStage(L.LightningModule):
         self.bank = ClientBank({n: start[n].clone() for n in self.personal_names})
         self.execution = config.execution
         self.history: list[dict[str, Any]] = []
+        self.comm_bytes: list[float] = []
+        self.round_log: dict[str, float] = {}  # this round's metrics, for loggers (step = rounds done)
         self.client_metrics: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- what Lightning asks for -------------------------------------------------------------------------
@@ -85,10 +87,19 @@ class FederatedStage(L.LightningModule):
         round_idx = self.global_step
         start = time.perf_counter()
         stats = self.run_round(round_idx)
-        self.log_dict({"round_time_s": time.perf_counter() - start, **stats}, on_step=True, prog_bar=True)
+        self.comm_bytes.append(stats["bytes_up"] + stats["bytes_down"])
+        self.round_log = {"round_time_s": time.perf_counter() - start, **stats}
+        self.log("train_loss", stats["train_loss"], on_step=True, prog_bar=True)
         last = round_idx + 1 == self.n_rounds
         if last or (round_idx + 1) % self.config.eval_every == 0:
             self.evaluate(["val", "test"] if last else ["val"], round_idx + 1)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("fedpilot", {})
+        self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -168,7 +179,9 @@ class FederatedStage(L.LightningModule):
             weights = self.data.sizes[split].cpu().double()
             summary = {f"{split}_acc_{k}": v for k, v in distribution(acc.cpu(), weights).items()}
             summary[f"{split}_loss_weighted"] = distribution(loss.cpu(), weights).get("weighted", float("nan"))
-            self.log_dict(summary, on_step=True)
+            self.round_log.update(summary)
+            if split == "val":
+                self.log("val_acc_mean", summary["val_acc_mean"], on_step=True, prog_bar=True)
             self.history.append({"round": round_idx, "split": split, **summary})
         self.client_metrics.update(results)
         return results

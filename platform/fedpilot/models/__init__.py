@@ -10,6 +10,6 @@ Contract for every model in the zoo (and any model handed to the engine):
 """
 
 from fedpilot.models.split import PRESETS, Adapter, ParamSplit, apply_split
-from fedpilot.models.zoo import MODELS, build_model
+from fedpilot.models.zoo import MODELS, build_model, check_model
 
-__all__ = ["MODELS", "PRESETS", "Adapter", "ParamSplit", "apply_split", "build_model"]
+__all__ = ["MODELS", "PRESETS", "Adapter", "ParamSplit", "apply_split", "build_model", "check_model"]

@@ -142,16 +142,20 @@ def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int 
 MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "transformer": transformer}
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
-    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs."""
+def check_model(name: str, options: dict[str, Any]) -> None:
+    """A SpecError unless `name` is a registered model and every option is one of its keyword arguments."""
     if name not in MODELS:
         raise SpecError("model.name", name, "unknown model", allowed=list(MODELS))
-    factory = MODELS[name]
-    allowed = list(inspect.signature(factory).parameters)[2:]
+    allowed = list(inspect.signature(MODELS[name]).parameters)[2:]
     for key, value in options.items():
         if key not in allowed:
             raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
-    return factory(tuple(input_shape), num_classes, **options)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
+    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs."""
+    check_model(name, options)
+    return MODELS[name](tuple(input_shape), num_classes, **options)
 
 
 def _check_rank(name: str, input_shape: tuple[int, ...], rank: int, what: str) -> tuple[int, ...]:

@@ -1,0 +1,323 @@
+"""Run a pipeline: build the data and the model once, then train (or reuse from the stage cache) each stage.
+
+Each stage starts from the previous stage's shared model and personal bank. A finished stage is saved in
+the stage cache under a hash of everything that determines its result (dataset fingerprint, model, seed,
+its own resolved spec and split, the previous stage's key, the device type); a rerun that changes only a
+later stage reuses the earlier ones and records where they came from (tag `fedpilot.cache_source`).
+`max_parallel_clients`, `execution` and stage names are left out of the hash: they change how a stage
+runs, not what it computes (equal within float tolerance, tests/test_engine_equivalence.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+from fedpilot.algorithms import build_algorithm
+from fedpilot.data import FederatedData, build_federated_data
+from fedpilot.data.federated import cache_root
+from fedpilot.data.summary import describe
+from fedpilot.engine import FederatedStage, carry_bank
+from fedpilot.engine.metrics import distribution
+from fedpilot.errors import SpecError
+from fedpilot.models import ParamSplit, apply_split, build_model
+from fedpilot.spec import PipelineSpec, StageSpec
+from fedpilot.tracking import CACHE_TAG, SPEC_ARTIFACT, RoundMetrics, Tracker, flatten, tracking_uri
+
+CACHE_FORMAT = 1
+NOT_IN_KEY = {"name", "max_parallel_clients", "execution"}
+SPLITS = ("val", "test")
+
+
+@dataclass
+class StageOutcome:
+    """What one stage produced: its run, whether it came from the cache, per-client accuracy, final metrics."""
+
+    index: int
+    name: str
+    cache: str
+    run_id: str
+    accuracy: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+
+@dataclass
+class PipelineResult:
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+    stages: list[StageOutcome]
+
+
+class StageCache:
+    """Finished stages on disk: <cache root>/stages/<key>.pt, written atomically."""
+
+    def __init__(self, root: Path):
+        self.dir = root / "stages"
+
+    def load(self, key: str) -> dict[str, Any] | None:
+        path = self.dir / f"{key}.pt"
+        return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+    def save(self, key: str, payload: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        os.close(fd)
+        os.chmod(tmp, 0o644)
+        torch.save(payload, tmp)
+        os.replace(tmp, self.dir / f"{key}.pt")
+
+
+class RoundProgress(TQDMProgressBar):
+    """Lightning's progress bar counting the stage's rounds, with the latest loss and val accuracy."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    @property
+    def train_description(self) -> str:
+        return self.label
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.train_progress_bar.reset(total=trainer.max_steps)
+        self.train_progress_bar.n = trainer.global_step  # a resumed stage starts part-way
+        self.train_progress_bar.set_description(self.label)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.train_progress_bar.n = trainer.global_step
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SpecError("device", requested, "no CUDA device is available here", allowed=["auto", "cpu"])
+    return torch.device("cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
+def stage_split(spec: PipelineSpec, stage: StageSpec, algorithm_part: str | None) -> tuple[str | list[str], int]:
+    """(split, adapter_dim) of a stage: the algorithm's own part, else the stage's, else the pipeline's."""
+    chosen = stage.personalization or spec.personalization
+    return (algorithm_part or chosen.split), chosen.adapter_dim
+
+
+def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int, split: Any, device: str) -> str:
+    """The cache key of stage `index`: everything its result depends on, chained to the previous stage's key."""
+    stage = spec.stages[index]
+    payload = {"format": CACHE_FORMAT, "fedpilot": version("fedpilot"), "previous": previous,
+               "data": data.fingerprint, "model": spec.model.model_dump(mode="json"), "seed": spec.seed,
+               "index": index, "stage": stage.model_dump(mode="json", exclude=NOT_IN_KEY), "split": split,
+               "eval_every": stage.eval_every or spec.evaluation.every, "device": device}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory allocated by torch (CUDA), else the process's peak resident set size (Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class PipelineRunner:
+    """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
+
+    def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True):
+        self.spec, self.progress = spec, progress
+        self.root = Path(cache_dir) if cache_dir else cache_root()
+        self.cache = StageCache(self.root)
+        self.device = resolve_device(spec.device)
+        # Everything that can fail on the user's input happens here, before any run is created.
+        self.data = build_federated_data(spec.dataset, spec.seed, self.root / "data")
+        torch.manual_seed(spec.seed)
+        self.model = build_model(spec.model.name, self.data.feature_shape, self.data.num_classes,
+                                 **spec.model.options)
+        self.algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm")
+                           for i, s in enumerate(spec.stages)]
+        probe = copy.deepcopy(self.model)
+        for i, stage in enumerate(spec.stages):
+            split, dim = stage_split(spec, stage, self.algorithms[i].personal_part)
+            try:
+                apply_split(probe, split, dim)
+            except SpecError as err:
+                raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
+                                err.value, err.problem, err.allowed) from None
+        self.uri = tracking_uri(spec.tracking.uri)
+        self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
+
+    # ---- the pipeline --------------------------------------------------------------------------------------
+    def run(self, resume: str | None = None) -> PipelineResult:
+        spec = self.spec
+        if resume:
+            parent, previous_runs = resume, self.tracker.stage_runs(resume)
+            self.tracker.client.update_run(parent, status="RUNNING")
+        else:
+            parent, previous_runs = self.tracker.start_pipeline(
+                spec.resolved(), describe(self.data), str((self.root / "runs").resolve())), {}
+        open_runs = [parent]
+        try:
+            with self.tracker.system_metrics(parent, spec.tracking.system_metrics):
+                outcomes = self._stages(parent, previous_runs, open_runs)
+            summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
+                       for o in outcomes]
+            self.tracker.log_pipeline_results(parent, {o.name: o.accuracy["test"] for o in outcomes}, summary,
+                                              spec.tracking.plots)
+            self.tracker.finish(parent)
+            shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
+        except BaseException as err:
+            self.tracker.fail(open_runs, err)
+            raise
+        return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
+
+    def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
+        spec, key, before, outcomes = self.spec, "", None, []
+        for i, stage_spec in enumerate(spec.stages):
+            algorithm = self.algorithms[i]
+            split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
+            torch.manual_seed(spec.seed * 1000 + i)  # adapters inserted for this stage start the same every run
+            split = apply_split(self.model, split_spec, dim)
+            key = stage_key(key, self.data, spec, i, split_spec, self.device.type)
+            config = stage_spec.engine_config(spec.evaluation.every)
+            bank = carry_bank(before, split.personal_names) if before is not None else None
+            stage = FederatedStage(self.model, split.personal_names, self.data, algorithm, config, spec.seed, i, bank)
+            earlier = previous_runs.get(i)
+            cached = self.cache.load(key)
+            if cached is not None:
+                outcome = self._reuse(parent, i, stage, split, cached, key, earlier, before)
+            else:
+                run_id = earlier.info.run_id if earlier is not None else self.tracker.start_stage(
+                    parent, i, stage_spec.name, stage_spec.algorithm, {CACHE_TAG: "miss", "fedpilot.cache_key": key})
+                open_runs.append(run_id)
+                outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before)
+                open_runs.remove(run_id)
+            outcomes.append(outcome)
+            before = stage
+        return outcomes
+
+    # ---- one stage -----------------------------------------------------------------------------------------
+    def _train(self, parent: str, index: int, run_id: str, stage: FederatedStage, split: ParamSplit, key: str,
+               resuming: bool, before: FederatedStage | None) -> StageOutcome:
+        name = self.spec.stages[index].name
+        checkpoints = self.root / "runs" / parent / f"{index}-{name}"
+        last = checkpoints / "last.ckpt"
+        if not resuming:
+            self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        trainer = self._trainer(stage, run_id, checkpoints, f"[{index + 1}/{len(self.spec.stages)}] {name}")
+        trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
+        if trainer.interrupted:
+            raise KeyboardInterrupt(f"stage {name} interrupted")
+        peak = peak_memory_bytes(self.device)
+        self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
+                              "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        return self._record(index, run_id, "miss", stage, split, peak, before)
+
+    def _reuse(self, parent: str, index: int, stage: FederatedStage, split: ParamSplit, cached: dict[str, Any],
+               key: str, earlier: Any, before: FederatedStage | None) -> StageOutcome:
+        """A stage from the cache: load its state; log it as a new stage run (unless a resumed run has it)."""
+        stage.load_state_dict(cached["state"])
+        stage.history, stage.comm_bytes = cached["history"], cached["comm_bytes"]
+        stage.client_metrics = cached["client_metrics"]
+        spec_stage = self.spec.stages[index]
+        if earlier is not None and earlier.info.status == "FINISHED":
+            return self._record(index, earlier.info.run_id, earlier.data.tags.get(CACHE_TAG, "hit"), stage, split,
+                                cached["peak_memory_bytes"], before, log=False)
+        run_id = self.tracker.start_stage(parent, index, spec_stage.name, spec_stage.algorithm, {
+            CACHE_TAG: "hit", "fedpilot.cache_key": key, "fedpilot.cache_source": cached["run_id"]})
+        self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+        self.tracker.log_history(run_id, stage.history)
+        return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
+
+    def _trainer(self, stage: FederatedStage, run_id: str, checkpoints: Path, label: str) -> L.Trainer:
+        every = stage.config.eval_every
+        callbacks: list[Any] = [RoundMetrics(self.tracker, run_id),
+                                ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0,
+                                                every_n_train_steps=every)]
+        if self.progress:
+            callbacks.append(RoundProgress(label))
+        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=1,
+                         logger=False, callbacks=callbacks, enable_progress_bar=self.progress,
+                         enable_model_summary=False,
+                         default_root_dir=checkpoints)
+
+    def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,
+                before: FederatedStage | None, log: bool = True) -> StageOutcome:
+        """Final metrics, memory footprints, the per-client table and plots of a finished stage."""
+        name = self.spec.stages[index].name
+        data = self.data
+        accuracy = {s: stage.client_metrics[s]["acc"].numpy() for s in SPLITS}
+        metrics: dict[str, float] = {}
+        for s in SPLITS:
+            weights = data.sizes[s].cpu().double()
+            metrics.update({f"{s}_acc_{k}": v for k, v in distribution(stage.client_metrics[s]["acc"], weights).items()})
+        report = split.report()
+        memory = {"shared_bytes": report["shared_bytes"], "shared_params": report["shared_params"],
+                  "personal_bytes_per_client": report["personal_bytes_per_client"],
+                  "personal_params_per_client": report["personal_params_per_client"],
+                  "personal_bank_bytes": stage.bank.nbytes(),
+                  "comm_bytes_per_round": float(np.mean(stage.comm_bytes)) if stage.comm_bytes else 0.0,
+                  "peak_memory_bytes": peak, "rounds": stage.n_rounds}
+        clients: dict[str, Any] = {"client": list(range(data.n_clients)), "name": list(data.client_names)}
+        clients.update({f"{s}_samples": data.sizes[s].tolist() for s in ("train", *SPLITS)})
+        clients.update({f"{s}_{m}": stage.client_metrics[s][m].tolist() for s in SPLITS for m in ("acc", "loss")})
+        previous = None
+        if before is not None:
+            previous_acc = {s: before.client_metrics[s]["acc"].numpy() for s in SPLITS}
+            previous = (self.spec.stages[index - 1].name, previous_acc)
+            clients["previous_test_acc"] = previous_acc["test"].tolist()
+            for s in SPLITS:
+                change = accuracy[s] - previous_acc[s]
+                metrics[f"{s}_acc_frac_better"] = float(np.nanmean(change > 0))
+                metrics[f"{s}_acc_frac_worse"] = float(np.nanmean(change < 0))
+        extra = {**memory, **{k: v for k, v in metrics.items() if "_frac_" in k}}
+        if log:
+            self.tracker.log_stage_results(run_id, name, clients, extra, previous, self.spec.tracking.plots)
+            self.tracker.finish(run_id)
+        return StageOutcome(index, name, cache, run_id, accuracy, {**metrics, **memory})
+
+
+def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
+    """The resolved spec a pipeline run recorded (for `fedpilot run --resume RUN_ID`)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except Exception as err:  # mlflow raises MlflowException for an unknown id
+        raise SpecError("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
+    if "fedpilot.pipeline" not in run.data.tags:
+        raise SpecError("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())
+
+
+def quiet_lightning() -> None:
+    """Lightning's per-fit banners and warnings that do not apply to federated stages are noise in a pipeline."""
+    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.system_metrics"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Our round is the manual-optimization step; its checkpoint is meant to hold the state after it.
+    warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

@@ -1,0 +1,164 @@
+"""MLflow records of a pipeline: one parent run, one nested run per stage, all through one explicit URI.
+
+Names other tools rely on: tag `fedpilot.pipeline` on the parent; `fedpilot.stage` and `fedpilot.cache`
+(hit|miss) on each stage run; the distribution metrics `{val,test}_acc_{mean,weighted,std,min,p10,p25,p50,
+p75,p90,max}` and the memory metrics `shared_bytes personal_bytes_per_client personal_bank_bytes
+comm_bytes_per_round peak_memory_bytes` on each stage run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+from fedpilot import plots
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
+SPEC_ARTIFACT = "pipeline.json"
+
+
+def tracking_uri(configured: str | None = None) -> str:
+    """$MLFLOW_TRACKING_URI, else the pipeline's `tracking.uri`, else MLflow's default local SQLite store."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or configured or DEFAULT_URI
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested mappings as dotted keys (lists by index), values as strings, for MLflow params."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):
+                flat.update(flatten(item, f"{name}.{i}."))
+        else:
+            flat[name] = json.dumps(value) if not isinstance(value, str) else value
+    return flat
+
+
+class RoundMetrics(Callback):
+    """Logs each round's metrics (training stats, and evaluations when due) to a stage run; step = rounds done."""
+
+    def __init__(self, tracker: Tracker, run_id: str):
+        self.tracker, self.run_id = tracker, run_id
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.tracker.log_metrics(self.run_id, pl_module.round_log, step=trainer.global_step)
+
+
+class Tracker:
+    """Creates and fills the runs of one pipeline in the experiment named by the pipeline."""
+
+    def __init__(self, uri: str, experiment: str):
+        self.uri = uri
+        self.client = MlflowClient(uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+
+    # ---- runs ------------------------------------------------------------------------------------------------
+    def start_pipeline(self, spec: dict[str, Any], dataset: dict[str, Any], checkpoints: str) -> str:
+        """The parent run: the resolved spec as params and artifact, the dataset summary and fingerprint."""
+        run = self.client.create_run(self.experiment_id, run_name=spec["name"], tags={
+            PIPELINE_TAG: spec["name"], "fedpilot.checkpoints": checkpoints,
+            "fedpilot.dataset_fingerprint": dataset["fingerprint"]})
+        run_id = run.info.run_id
+        params = flatten({k: v for k, v in spec.items() if k != "stages"})
+        params.update({f"stages.{i}.{k}": v for i, stage in enumerate(spec["stages"])
+                       for k, v in flatten(stage).items()})
+        self.log_params(run_id, params)
+        self.client.log_dict(run_id, spec, SPEC_ARTIFACT)
+        self.client.log_dict(run_id, dataset, "dataset.json")
+        return run_id
+
+    def start_stage(self, parent: str, index: int, name: str, algorithm: str, tags: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=f"{index}-{name}", tags={
+            MLFLOW_PARENT_RUN_ID: parent, STAGE_TAG: name, "fedpilot.stage_index": str(index),
+            "fedpilot.algorithm": algorithm, **tags})
+        return run.info.run_id
+
+    def stage_runs(self, parent: str) -> dict[int, Any]:
+        """The stage runs of a pipeline run by stage index (the newest per index)."""
+        runs = self.client.search_runs([self.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{parent}'",
+                                       order_by=["attributes.start_time ASC"])
+        return {int(r.data.tags["fedpilot.stage_index"]): r for r in runs if "fedpilot.stage_index" in r.data.tags}
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, value)
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i : i + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        items = [Metric(k, float(v), 0, step) for k, v in metrics.items() if np.isfinite(v)]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+
+    def finish(self, run_id: str) -> None:
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def fail(self, run_ids: list[str], error: BaseException) -> None:
+        """Mark runs FAILED with the traceback as `error.txt`; what they logged before stays."""
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        for run_id in run_ids:
+            self.client.log_text(run_id, text, "error.txt")
+            self.client.set_tag(run_id, "fedpilot.error", f"{type(error).__name__}: {error}"[:5000])
+            self.client.set_terminated(run_id, "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
+
+    @contextmanager
+    def system_metrics(self, run_id: str, enabled: bool) -> Iterator[None]:
+        """MLflow's system metrics (CPU, memory, GPU when present) sampled into `run_id` while the block runs."""
+        if not enabled:
+            yield
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.uri)
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.finish()
+
+    # ---- what a stage records -------------------------------------------------------------------------------
+    def log_history(self, run_id: str, history: list[dict[str, Any]]) -> None:
+        """Evaluation curves of a stage whose rounds were not logged live (a stage reused from the cache)."""
+        for entry in history:
+            metrics = {k: v for k, v in entry.items() if k not in {"round", "split"}}
+            self.log_metrics(run_id, metrics, step=int(entry["round"]))
+
+    def log_stage_results(self, run_id: str, name: str, clients: dict[str, Any], metrics: dict[str, float],
+                          previous: tuple[str, dict[str, np.ndarray]] | None, plot: bool) -> None:
+        """Final metrics, the per-client table, and the histogram and before/after plots of one stage."""
+        self.log_metrics(run_id, metrics, step=int(metrics.get("rounds", 0)))
+        self.client.log_table(run_id, clients, "clients.json")
+        if not plot:
+            return
+        acc = np.asarray(clients["test_acc"], dtype=float)
+        before = (previous[0], previous[1]["test"]) if previous else None
+        self.client.log_figure(run_id, plots.accuracy_histogram(name, acc, before), "plots/test_acc_hist.png")
+        if before is not None:
+            self.client.log_figure(run_id, plots.before_after(before, (name, acc)), "plots/test_acc_before_after.png")
+
+    def log_pipeline_results(self, run_id: str, accuracy: dict[str, np.ndarray], summary: list[dict[str, Any]],
+                             plot: bool) -> None:
+        """On the parent: the per-stage summary table and the CDF plot comparing stages."""
+        self.client.log_table(run_id, {k: [row[k] for row in summary] for k in summary[0]}, "stages.json")
+        last = summary[-1]
+        self.log_metrics(run_id, {f"final_{k}": v for k, v in last.items() if isinstance(v, float)})
+        if plot:
+            self.client.log_figure(run_id, plots.accuracy_cdf(accuracy), "plots/test_acc_cdf.png")

@@ -1,0 +1,94 @@
+"""Pipeline specs: every shipped pipeline validates; bad YAML gets a clear error, exit code 2, and writes nothing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedpilot.algorithms import ALGORITHMS
+from fedpilot.errors import SpecError
+from fedpilot.spec import PipelineSpec, configs_dir, load_pipeline
+from pipeline_fixtures import SMALL, cli, write_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=[p.stem for p in PIPELINES])
+def test_every_shipped_pipeline_validates(path):
+    code, output = cli("validate", str(path))
+    assert code == 0, output
+    assert "ok: " in output and "stages:" in output
+
+
+def test_algorithm_defaults_are_valid_params_of_registered_algorithms():
+    files = sorted((configs_dir() / "algorithm").glob("*.yaml"))
+    assert {f.stem for f in files} == set(ALGORITHMS)
+    for file in files:
+        ALGORITHMS[file.stem].Params.model_validate(yaml.safe_load(file.read_text()) or {})
+
+
+def test_resolved_spec_merges_defaults_and_overrides():
+    spec = load_pipeline(ROOT / "pipelines" / "quickstart.yaml", ["stages.1.rounds=7", "dataset.partition.alpha=0.1"])
+    stage = spec.resolved()["stages"][1]
+    assert stage["rounds"] == 7 and stage["algorithm"] == "fedalt"
+    assert stage["params"] == {"tau_v": None, "tau_u": None, "lr_v": 0.01, "lr_u": None, "stateful": True}
+    assert spec.dataset.partition.alpha == 0.1
+    assert spec.stages[1].engine_config(spec.evaluation.every).eval_every == spec.evaluation.every
+
+
+BAD = [
+    ("stages: [\n", "pipeline=", "not valid YAML"),
+    ({**SMALL, "stagse": []}, "stagse=[]", "unknown key.*did you mean 'stages'"),
+    ({**SMALL, "seed": "zero"}, "seed='zero'", "valid integer"),
+    ({**SMALL, "stages": [{**SMALL["stages"][0], "rounds": "many"}]}, "stages.0.rounds='many'", "valid integer"),
+    ({**SMALL, "stages": [{**SMALL["stages"][0], "algorithm": "fedavgg"}]}, "stages.0.algorithm='fedavgg'",
+     "unknown algorithm.*did you mean 'fedavg'"),
+    ({**SMALL, "stages": []}, "stages=[]", "at least 1 item"),
+    ({**SMALL, "stages": [{**SMALL["stages"][1], "params": {"tau_vv": 2}}]}, "stages.0.params.tau_vv=2",
+     "unknown key.*did you mean 'tau_v'"),
+    ({**SMALL, "personalization": "head"}, "personalization='head'", "unknown preset"),
+    ({**SMALL, "model": {"name": "mlp", "hiden": [3]}}, "model.hiden=[3]", "did you mean 'hidden'"),
+    ({**SMALL, "stages": [SMALL["stages"][0], SMALL["stages"][0]]}, "stages.1.name='pretrain'", "unique"),
+]
+
+
+@pytest.mark.parametrize(("content", "key", "problem"), BAD, ids=[b[1] for b in BAD])
+def test_bad_pipelines_exit_2_naming_the_key_and_write_nothing(tmp_path, monkeypatch, content, key, problem):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "bad.yaml"
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+    for command in ("validate", "run"):
+        code, output = cli(command, str(path))
+        assert code == 2, output
+        assert key in output, output
+        assert re.search(problem, output), output
+    assert list(work.iterdir()) == []  # no mlflow.db, no cache, no half-written run
+
+
+def test_errors_found_only_when_building_come_before_any_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    path = write_pipeline(tmp_path, {**SMALL, "personalization": ["head\\.nothing"]})
+    code, output = cli("run", str(path), "--no-progress")
+    assert code == 2 and "personalization='head\\\\.nothing': matches no parameter name" in output, output
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_override_of_a_missing_key_says_how_to_add_one(tmp_path):
+    path = write_pipeline(tmp_path)
+    with pytest.raises(SpecError, match=r"stages.0.roundz='3': not a key.*\+stages.0.roundz=3"):
+        load_pipeline(path, ["stages.0.roundz=3"])
+
+
+def test_stage_names_default_to_the_algorithm():
+    spec = PipelineSpec.from_dict({**{k: v for k, v in SMALL.items() if k != "defaults"},
+                                   "dataset": {"source": {"kind": "digits"}}, "model": {"name": "mlp"},
+                                   "stages": [{"algorithm": "fedavg"}, {"algorithm": "finetune"}]})
+    assert [s.name for s in spec.stages] == ["fedavg", "finetune"]

@@ -17,8 +17,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install  ## describes the quickstart dataset until `fedpilot run` lands
-	$(BIN)/fedpilot data describe pipelines/quickstart.yaml
+demo: install  ## runs the quickstart on the embedded defaults: SQLite MLflow store (mlflow.db), CPU
+	$(BIN)/fedpilot run pipelines/quickstart.yaml
 
 lint: install
 	$(BIN)/ruff check platform tests bench

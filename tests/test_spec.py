@@ -81,10 +81,14 @@ def test_errors_found_only_when_building_come_before_any_run(tmp_path, monkeypat
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_override_of_a_missing_key_says_how_to_add_one(tmp_path):
+def test_overrides_set_keys_the_file_lacks_and_typos_are_still_caught(tmp_path):
     path = write_pipeline(tmp_path)
-    with pytest.raises(SpecError, match=r"stages.0.roundz='3': not a key.*\+stages.0.roundz=3"):
+    spec = load_pipeline(path, ["stages.2.params.part=all", "stages.2.params.prox=0.1", "dataset=synthetic"])
+    assert spec.stages[2].params == {"part": "all", "prox": 0.1} and spec.dataset.source.kind == "synthetic"
+    with pytest.raises(SpecError, match=r"stages.0.roundz=3: unknown key.*did you mean 'rounds'"):
         load_pipeline(path, ["stages.0.roundz=3"])
+    with pytest.raises(SpecError, match=r"stages.7.rounds='3': cannot be set: list index out of range"):
+        load_pipeline(path, ["stages.7.rounds=3"])
 
 
 def test_stage_names_default_to_the_algorithm():

@@ -79,7 +79,8 @@ def validate(pipeline: Pipeline, overrides: Overrides = None) -> None:
     except SpecError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(spec.resolved()).rstrip())
-    typer.secho(f"ok: {pipeline} is a valid pipeline ({len(spec.stages)} stages: "
+    count = f"{len(spec.stages)} stage{'s' if len(spec.stages) != 1 else ''}"
+    typer.secho(f"ok: {pipeline} is a valid pipeline ({count}: "
                 f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)
 
 

@@ -129,3 +129,22 @@ def test_a_failure_marks_runs_failed_and_resume_finishes_with_the_same_result(wo
 def test_resume_rejects_unknown_runs(workdir):
     code, output = cli("run", "--resume", "0123456789abcdef0123456789abcdef")
     assert code == 2 and "--resume=" in output
+
+
+def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
+    import time
+
+    import psutil
+    import torch
+
+    from fedpilot.pipeline import PeakMemory
+
+    before = psutil.Process().memory_info().rss
+    with PeakMemory(torch.device("cpu")) as memory:
+        block = torch.ones(50 * 2**20)  # 200 MiB, touched
+        time.sleep(0.2)
+        del block
+    assert memory.bytes >= before + 150 * 2**20
+    with PeakMemory(torch.device("cpu")) as later:
+        time.sleep(0.1)
+    assert later.bytes < memory.bytes - 100 * 2**20

@@ -15,9 +15,9 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import psutil
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
@@ -133,11 +134,37 @@ def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory allocated by torch (CUDA), else the process's peak resident set size (Linux)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+class PeakMemory:
+    """Peak memory while a block runs: torch's peak CUDA allocation on a GPU, else the process's resident set
+    size sampled every 20 ms (so each stage gets its own peak, not the process's lifetime maximum)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.02):
+        self.device, self.interval = device, interval
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while True:
+            self.bytes = max(self.bytes, process.memory_info().rss)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device))
 
 
 class PipelineRunner:
@@ -223,13 +250,12 @@ class PipelineRunner:
         last = checkpoints / "last.ckpt"
         if not resuming:
             self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         trainer = self._trainer(stage, run_id, checkpoints, f"[{index + 1}/{len(self.spec.stages)}] {name}")
-        trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
+        with PeakMemory(self.device) as memory:
+            trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
         if trainer.interrupted:
             raise KeyboardInterrupt(f"stage {name} interrupted")
-        peak = peak_memory_bytes(self.device)
+        peak = memory.bytes
         self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
                               "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
         shutil.rmtree(checkpoints, ignore_errors=True)

@@ -18,17 +18,6 @@ MEMORY = ["shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "c
           "peak_memory_bytes"]
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """A fresh working directory with its own MLflow store and fedpilot cache."""
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "cache"))
-    mlflow.set_tracking_uri(uri)
-    return tmp_path
-
-
 def stage_runs(client: MlflowClient, parent: str) -> list:
     runs = client.search_runs(client.get_run(parent).info.experiment_id,
                               f"tags.mlflow.parentRunId = '{parent}'")

@@ -135,6 +135,43 @@ def format_outcomes(stages: list) -> str:
 
 
 @app.command()
+def search(
+    pipeline: Pipeline,
+    overrides: Overrides = None,
+    trials: Annotated[int | None, typer.Option(help="Finished trials the study should have in total "
+                                                    "(default: the search block's `trials`).")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage URL (default $FEDPILOT_DB or "
+                                                     "sqlite:///fedpilot.db; postgresql+psycopg://... for a team).")] = None,
+    study: Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the "
+                                                   "pipeline name); an existing study is resumed.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="fedpilot's cache (default $FEDPILOT_CACHE or "
+                                                       ".fedpilot-cache).")] = None,
+    heartbeat_seconds: Annotated[int, typer.Option(min=1, help="Trial heartbeat; a trial silent for 3 heartbeats "
+                                                              "is failed and retried.")] = 10,
+) -> None:
+    """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id."""
+    from fedpilot.db import platform_db_url
+    from fedpilot.pipeline import quiet_lightning
+    from fedpilot.spec import load_pipeline
+    from fedpilot.tuning import Search, quiet_optuna
+
+    quiet_lightning()
+    quiet_optuna()
+    try:
+        spec = load_pipeline(pipeline, overrides or [])
+        runner = Search(spec, platform_db_url(storage), trials, study, cache_dir, heartbeat_seconds, typer.echo)
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"study {runner.study_name}: {runner.trials} trials, space {', '.join(spec.search.space)}")
+    result = runner.run()
+    best = ", ".join(f"{v:.4f}" for v in result.best_values) or "none"
+    typer.echo(f"\nstudy {result.study}: {result.finished} finished trials ({result.pruned} pruned); best "
+               f"{'/'.join(o.metric for o in spec.search.objective)} = {best} with {result.best_params}; "
+               f"{result.rounds_trained} rounds trained by this process")
+    typer.echo(f"run_id: {result.run_id}")
+
+
+@app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port of the MLflow UI.")] = 5000,
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",
@@ -152,6 +189,10 @@ def ui(
     os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                                "--host", host, "--port", str(port)])
 
+
+from fedpilot.jobs_cli import register as register_job_commands  # noqa: E402
+
+register_job_commands(app)
 
 if __name__ == "__main__":
     app()

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -28,7 +29,8 @@ import lightning as L
 import numpy as np
 import psutil
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data import FederatedData, build_federated_data
@@ -192,16 +194,22 @@ class PipelineRunner:
                                 err.value, err.problem, err.allowed) from None
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
+        self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
+        self.rounds_trained = 0
 
     # ---- the pipeline --------------------------------------------------------------------------------------
-    def run(self, resume: str | None = None) -> PipelineResult:
+    def run(self, resume: str | None = None, parent: str | None = None,
+            tags: dict[str, str] | None = None) -> PipelineResult:
+        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`."""
         spec = self.spec
         if resume:
-            parent, previous_runs = resume, self.tracker.stage_runs(resume)
-            self.tracker.client.update_run(parent, status="RUNNING")
+            run_id, previous_runs = resume, self.tracker.stage_runs(resume)
+            self.tracker.client.update_run(run_id, status="RUNNING")
         else:
-            parent, previous_runs = self.tracker.start_pipeline(
-                spec.resolved(), describe(self.data), str((self.root / "runs").resolve())), {}
+            extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
+            run_id, previous_runs = self.tracker.start_pipeline(
+                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra), {}
+        parent = run_id
         open_runs = [parent]
         try:
             with self.tracker.system_metrics(parent, spec.tracking.system_metrics):
@@ -218,7 +226,7 @@ class PipelineRunner:
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
-        spec, key, before, outcomes = self.spec, "", None, []
+        spec, key, before, outcomes, offset = self.spec, "", None, [], 0
         for i, stage_spec in enumerate(spec.stages):
             algorithm = self.algorithms[i]
             split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
@@ -236,23 +244,27 @@ class PipelineRunner:
                 run_id = earlier.info.run_id if earlier is not None else self.tracker.start_stage(
                     parent, i, stage_spec.name, stage_spec.algorithm, {CACHE_TAG: "miss", "fedpilot.cache_key": key})
                 open_runs.append(run_id)
-                outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before)
+                outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before, offset)
                 open_runs.remove(run_id)
             outcomes.append(outcome)
             before = stage
+            offset += stage.n_rounds
         return outcomes
 
     # ---- one stage -----------------------------------------------------------------------------------------
     def _train(self, parent: str, index: int, run_id: str, stage: FederatedStage, split: ParamSplit, key: str,
-               resuming: bool, before: FederatedStage | None) -> StageOutcome:
+               resuming: bool, before: FederatedStage | None, offset: int) -> StageOutcome:
         name = self.spec.stages[index].name
         checkpoints = self.root / "runs" / parent / f"{index}-{name}"
         last = checkpoints / "last.ckpt"
         if not resuming:
             self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
-        trainer = self._trainer(stage, run_id, checkpoints, f"[{index + 1}/{len(self.spec.stages)}] {name}")
-        with PeakMemory(self.device) as memory:
-            trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
+        trainer = self._trainer(stage, run_id, checkpoints, f"[{index + 1}/{len(self.spec.stages)}] {name}", offset)
+        try:
+            with PeakMemory(self.device) as memory:
+                trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
+        finally:
+            self.rounds_trained += stage.rounds_run
         if trainer.interrupted:
             raise KeyboardInterrupt(f"stage {name} interrupted")
         peak = memory.bytes
@@ -277,9 +289,9 @@ class PipelineRunner:
         self.tracker.log_history(run_id, stage.history)
         return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
 
-    def _trainer(self, stage: FederatedStage, run_id: str, checkpoints: Path, label: str) -> L.Trainer:
+    def _trainer(self, stage: FederatedStage, run_id: str, checkpoints: Path, label: str, offset: int) -> L.Trainer:
         every = stage.config.eval_every
-        callbacks: list[Any] = [RoundMetrics(self.tracker, run_id),
+        callbacks: list[Any] = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset),
                                 ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0,
                                                 every_n_train_steps=every)]
         if self.progress:

@@ -159,6 +159,89 @@ class TrackingSpec(Strict):
     plots: bool = True
 
 
+OBJECTIVE_METRICS = [
+    *(f"val_acc_{stat}" for stat in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max",
+                                     "frac_better", "frac_worse")),
+    "shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "comm_bytes_per_round", "peak_memory_bytes",
+]
+
+
+class Param(Strict):
+    """One dimension of a search space: float/int in [low, high] (optionally log-scaled, stepped) or categorical."""
+
+    type: Literal["float", "int", "categorical"]
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = Field(None, gt=0)
+    choices: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Param:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs a non-empty `choices` list")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter needs `low` and `high`")
+        if self.low > self.high:
+            raise ValueError(f"low={self.low:g} > high={self.high:g}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0 (low={self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("give `log` or `step`, not both")
+        return self
+
+
+class Objective(Strict):
+    """A recorded metric of one stage (default: the last) to optimize; validation or footprint, never test."""
+
+    metric: str
+    stage: int | str = -1
+    direction: Literal["maximize", "minimize"] = "maximize"
+
+    @field_validator("metric")
+    @classmethod
+    def _recorded(cls, metric: str) -> str:
+        if metric.startswith("test_"):
+            raise ValueError("searches never optimize test metrics; use the validation split (val_...)")
+        if metric not in OBJECTIVE_METRICS:
+            raise SpecError("search.objective.metric", metric, "not a recorded stage metric", OBJECTIVE_METRICS)
+        return metric
+
+
+class SamplerSpec(Strict):
+    kind: Literal["tpe", "random", "nsga2"] = "tpe"
+    seed: int = 0
+
+
+class PrunerSpec(Strict):
+    """Pruning from the engine's intermediate evaluations (single-objective searches only)."""
+
+    kind: Literal["median", "hyperband", "none"] = "median"
+    startup_trials: int = Field(2, ge=0)
+    warmup_rounds: int = Field(0, ge=0)
+
+
+class SearchSpec(Strict):
+    """A pipeline's `search:` block: the space over spec keys, the objective(s), the budget, sampler and pruner."""
+
+    study: str | None = None
+    space: dict[str, Param] = Field(min_length=1)
+    objective: list[Objective] = Field(min_length=1)
+    trials: int = Field(20, ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_objective(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("objective"), dict):
+            return {**value, "objective": [value["objective"]]}
+        return value
+
+
 class PipelineSpec(Strict):
     """A whole pipeline: data, model, personalization, ordered stages, seed, evaluation, tracking."""
 
@@ -171,6 +254,7 @@ class PipelineSpec(Strict):
     stages: list[StageSpec] = Field(min_length=1)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    search: SearchSpec | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelineSpec:
@@ -185,6 +269,9 @@ class PipelineSpec(Strict):
             if names.index(names[i]) != i:
                 raise SpecError(f"stages.{i}.name", names[i], "two stages have this name; give each a unique name")
             stage.params = _algorithm_params(stage.algorithm, stage.params, f"stages.{i}")
+        if spec.search is not None:
+            spec.search.study = spec.search.study or spec.name
+            _check_search(spec)
         return spec
 
     def resolved(self) -> dict[str, Any]:
@@ -209,6 +296,39 @@ def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, 
         return params_cls.model_validate({**(defaults or {}), **params}).model_dump(mode="json")
     except ValidationError as err:
         raise from_validation(err, params_cls, f"{key}.params") from None
+
+
+def with_values(spec: PipelineSpec, values: dict[str, Any]) -> PipelineSpec:
+    """The pipeline with dotted `values` set (a search trial), validated like the original."""
+    config = OmegaConf.create(spec.resolved())
+    for key, value in values.items():
+        OmegaConf.update(config, key, value, merge=True)
+    return PipelineSpec.from_dict(OmegaConf.to_container(config))
+
+
+def _check_search(spec: PipelineSpec) -> None:
+    """Every space key names an existing spec key and both ends / every choice give a valid pipeline; objectives
+    name existing stages."""
+    search = spec.search
+    config = OmegaConf.create(spec.resolved())
+    for key, param in search.space.items():
+        if key.startswith("search") or OmegaConf.select(config, key, default="<missing>") == "<missing>":
+            parent, _, leaf = key.rpartition(".")
+            here = OmegaConf.select(config, parent) if parent else config
+            allowed = list(here.keys()) if OmegaConf.is_dict(here) else None
+            raise SpecError(f"search.space.{key}", leaf, "not a key of the pipeline", allowed)
+        for value in param.choices if param.type == "categorical" else [param.low, param.high]:
+            value = int(value) if param.type == "int" else value
+            try:
+                with_values(spec.model_copy(update={"search": None}), {key: value})
+            except SpecError as err:
+                raise SpecError(f"search.space.{key}", value, f"gives an invalid pipeline: {err}") from None
+    names = [s.name for s in spec.stages]
+    for i, objective in enumerate(search.objective):
+        stage = objective.stage
+        if (isinstance(stage, int) and not -len(names) <= stage < len(names)) or (
+                isinstance(stage, str) and stage not in names):
+            raise SpecError(f"search.objective.{i}.stage", stage, "no such stage", allowed=names)
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:

@@ -8,14 +8,18 @@ comm_bytes_per_round peak_memory_bytes` on each stage run.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optuna
+import sqlalchemy
 from lightning.pytorch.callbacks import Callback
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -26,11 +30,36 @@ from fedpilot import plots
 DEFAULT_URI = "sqlite:///mlflow.db"
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
 SPEC_ARTIFACT = "pipeline.json"
+STOPPED = (KeyboardInterrupt, SystemExit, optuna.TrialPruned)  # ended on purpose: status KILLED, not FAILED
 
 
 def tracking_uri(configured: str | None = None) -> str:
     """$MLFLOW_TRACKING_URI, else the pipeline's `tracking.uri`, else MLflow's default local SQLite store."""
     return os.environ.get("MLFLOW_TRACKING_URI") or configured or DEFAULT_URI
+
+
+@contextmanager
+def schema_init_lock(url: str) -> Iterator[None]:
+    """Serialize the first use of a database by several processes: MLflow's and Optuna's schema creation race
+    otherwise ("duplicate column name", "type already exists"). SQLite: a lock file beside the database;
+    PostgreSQL: an advisory lock; anything else (an MLflow server over HTTP) needs none."""
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///")).with_suffix(".init.lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+    elif url.startswith("postgresql"):
+        engine = sqlalchemy.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        with engine.connect() as db:
+            db.execute(sqlalchemy.text("SELECT pg_advisory_lock(7403)"))
+            try:
+                yield
+            finally:
+                db.execute(sqlalchemy.text("SELECT pg_advisory_unlock(7403)"))
+        engine.dispose()
+    else:
+        yield
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -63,16 +92,18 @@ class Tracker:
 
     def __init__(self, uri: str, experiment: str):
         self.uri = uri
-        self.client = MlflowClient(uri)
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        with schema_init_lock(uri):
+            self.client = MlflowClient(uri)
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
 
     # ---- runs ------------------------------------------------------------------------------------------------
-    def start_pipeline(self, spec: dict[str, Any], dataset: dict[str, Any], checkpoints: str) -> str:
+    def start_pipeline(self, spec: dict[str, Any], dataset: dict[str, Any], checkpoints: str,
+                       tags: dict[str, str] | None = None) -> str:
         """The parent run: the resolved spec as params and artifact, the dataset summary and fingerprint."""
         run = self.client.create_run(self.experiment_id, run_name=spec["name"], tags={
             PIPELINE_TAG: spec["name"], "fedpilot.checkpoints": checkpoints,
-            "fedpilot.dataset_fingerprint": dataset["fingerprint"]})
+            "fedpilot.dataset_fingerprint": dataset["fingerprint"], **(tags or {})})
         run_id = run.info.run_id
         params = flatten({k: v for k, v in spec.items() if k != "stages"})
         params.update({f"stages.{i}.{k}": v for i, stage in enumerate(spec["stages"])
@@ -117,7 +148,7 @@ class Tracker:
         for run_id in run_ids:
             self.client.log_text(run_id, text, "error.txt")
             self.client.set_tag(run_id, "fedpilot.error", f"{type(error).__name__}: {error}"[:5000])
-            self.client.set_terminated(run_id, "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
+            self.client.set_terminated(run_id, "KILLED" if isinstance(error, STOPPED) else "FAILED")
 
     @contextmanager
     def system_metrics(self, run_id: str, enabled: bool) -> Iterator[None]:

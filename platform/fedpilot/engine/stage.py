@@ -59,6 +59,7 @@ class FederatedStage(L.LightningModule):
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics, for loggers (step = rounds done)
+        self.rounds_run = 0  # rounds trained by this object (a resumed stage does not count the restored ones)
         self.client_metrics: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- what Lightning asks for -------------------------------------------------------------------------
@@ -87,6 +88,7 @@ class FederatedStage(L.LightningModule):
         round_idx = self.global_step
         start = time.perf_counter()
         stats = self.run_round(round_idx)
+        self.rounds_run += 1
         self.comm_bytes.append(stats["bytes_up"] + stats["bytes_down"])
         self.round_log = {"round_time_s": time.perf_counter() - start, **stats}
         self.log("train_loss", stats["train_loss"], on_step=True, prog_bar=True)

@@ -1,0 +1,158 @@
+"""The platform database: jobs, schedules and schedule firings in `fedpilot_*` tables.
+
+Optuna keeps its studies in the same database and owns its `alembic_version` table, so these tables are
+created with `metadata.create_all` (no migrations). All timestamps are UTC.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    Engine,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    create_engine,
+)
+from sqlalchemy.exc import (
+    ArgumentError,
+    IntegrityError,
+    NoSuchModuleError,
+    OperationalError,
+    ProgrammingError,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from fedpilot.errors import SpecError
+
+DEFAULT_DB = "sqlite:///fedpilot.db"
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+
+
+def platform_db_url(cli_value: str | None) -> str:
+    """`--db`, else $FEDPILOT_DB, else sqlite:///fedpilot.db; PostgreSQL URLs go through psycopg 3."""
+    url = cli_value or os.environ.get("FEDPILOT_DB") or DEFAULT_DB
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+def connect(url: str) -> Engine:
+    """An engine on the platform database with the `fedpilot_*` tables created; a bad URL is a SpecError."""
+    is_sqlite = url.startswith("sqlite")
+    try:
+        engine = create_engine(url, connect_args={"timeout": 30} if is_sqlite else {},
+                               pool_pre_ping=not is_sqlite)
+    except (ArgumentError, NoSuchModuleError) as err:
+        raise SpecError("--db", url, f"not a usable database URL: {err}") from None
+    except ImportError as err:
+        raise SpecError("--db", url, f"the database driver is missing ({err}); for PostgreSQL: "
+                        "pip install 'psycopg[binary]'") from None
+    try:
+        _create_tables(engine)
+    except OperationalError as err:
+        shown = engine.url.render_as_string(hide_password=True)
+        raise SpecError("--db", shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
+    return engine
+
+
+def _create_tables(engine: Engine) -> None:
+    """The `fedpilot_*` tables that do not exist yet (a second try if another process raced to create them)."""
+    try:
+        Base.metadata.create_all(engine)
+    except (IntegrityError, ProgrammingError, OperationalError):
+        Base.metadata.create_all(engine)
+
+
+def session_factory(engine: Engine) -> sessionmaker:
+    """Sessions whose objects stay readable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timestamp stored as naive UTC (SQLite keeps no zone) and read back as aware UTC."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.astimezone(timezone.utc).replace(tzinfo=None) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.replace(tzinfo=timezone.utc) if value is not None else None
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    """One queued pipeline run or Optuna search, with its resolved spec frozen at submission."""
+
+    __tablename__ = "fedpilot_jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    pipeline: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[str] = mapped_column(Text)
+    trials: Mapped[int | None] = mapped_column(Integer)
+    study: Mapped[str | None] = mapped_column(String(200))
+    schedule_id: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=QUEUED, index=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    run_id: Mapped[str | None] = mapped_column(String(64))
+    tracking_uri: Mapped[str | None] = mapped_column(Text)
+    stdout_tail: Mapped[str | None] = mapped_column(Text)
+    stderr_tail: Mapped[str | None] = mapped_column(Text)
+
+
+class Schedule(Base):
+    """A cron schedule that adds `trials` trials to its study at each firing."""
+
+    __tablename__ = "fedpilot_schedules"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    pipeline: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[str] = mapped_column(Text)
+    cron: Mapped[str] = mapped_column(String(200))
+    trials: Mapped[int] = mapped_column(Integer)
+    study: Mapped[str] = mapped_column(String(200))
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    active_since: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Firing(Base):
+    """One recorded firing of a schedule; the unique key makes concurrent schedulers fire it once."""
+
+    __tablename__ = "fedpilot_firings"
+    __table_args__ = (UniqueConstraint("schedule_id", "fire_time", name="fedpilot_firings_once"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    schedule_id: Mapped[int] = mapped_column(ForeignKey("fedpilot_schedules.id", ondelete="CASCADE"), index=True)
+    fire_time: Mapped[datetime] = mapped_column(UTCDateTime)
+    job_id: Mapped[int] = mapped_column(ForeignKey("fedpilot_jobs.id"))
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,0 +1,213 @@
+"""The job-queue commands: submit, jobs, cancel, worker, scheduler, and the `schedule` group."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fedpilot.errors import SpecError
+
+Db = Annotated[str | None, typer.Option("--db", help="Platform database URL (default $FEDPILOT_DB, else "
+                                                     "sqlite:///fedpilot.db in the working directory).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON list of rows for machines.")]
+Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides such as stages.0.rounds=20.")]
+
+schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
+                           no_args_is_help=True)
+
+
+def _engine(db: str | None):
+    """The platform database engine (tables created) for `--db`."""
+    from fedpilot.db import connect, platform_db_url
+
+    return connect(platform_db_url(db))
+
+
+def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
+    """Rows as a JSON list, or as an aligned text table of `columns`."""
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    if not rows:
+        typer.echo("(none)")
+        return
+    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    for line in [columns, *cells]:
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def submit(
+    pipeline: Pipeline,
+    overrides: Overrides = None,
+    search: Annotated[bool, typer.Option("--search", help="Queue an Optuna search of the pipeline's `search:` "
+                                                          "block instead of one run.")] = False,
+    trials: Annotated[int | None, typer.Option(min=1, help="Total finished trials the search job reaches "
+                                                           "(default: the search block's `trials`).")] = None,
+    db: Db = None,
+) -> None:
+    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id."""
+    from fedpilot.cli import fail
+    from fedpilot.jobs import prepare
+    from fedpilot.jobs import submit as queue
+
+    try:
+        fields = prepare(pipeline, overrides or [], search, trials)
+        job_id = queue(_engine(db), fields)
+    except SpecError as err:
+        fail(err)
+    typer.echo(job_id)
+
+
+def jobs(db: Db = None, as_json: AsJson = False) -> None:
+    """List the jobs: status (queued/running/succeeded/failed/cancelled), attempts, worker, times, MLflow run."""
+    from fedpilot.cli import fail
+    from fedpilot.jobs import list_jobs
+
+    try:
+        rows = list_jobs(_engine(db))
+    except SpecError as err:
+        fail(err)
+    _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", "created_at",
+                                "started_at", "finished_at", "mlflow"])
+
+
+def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None) -> None:
+    """Cancel a job: a queued one at once; a running one is killed by its worker and marked cancelled."""
+    from fedpilot.cli import fail
+    from fedpilot.jobs import cancel as cancel_job
+
+    try:
+        status = cancel_job(_engine(db), job_id)
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"job {job_id}: {status}")
+
+
+def worker(
+    db: Db = None,
+    exit_when_idle: Annotated[bool, typer.Option("--exit-when-idle", help="Return once no job is queued (or "
+                                                                          "waiting to be recovered).")] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at an empty queue.")] = 5.0,
+    heartbeat_seconds: Annotated[float, typer.Option(min=0.01, help="Heartbeat and cancel-check period while a "
+                                                                     "job runs.")] = 10.0,
+    grace_seconds: Annotated[float, typer.Option(min=0.01, help="A running job whose heartbeat is older than this "
+                                                                "belongs to a dead worker and is queued again "
+                                                                "(failed after 3 attempts).")] = 60.0,
+    name: Annotated[str | None, typer.Option(help="Worker name shown by `fedpilot jobs` (default host:pid).")] = None,
+) -> None:
+    """Run queued jobs one at a time, each in a child process (`fedpilot run` or `fedpilot search`)."""
+    from fedpilot.cli import fail
+    from fedpilot.db import platform_db_url
+    from fedpilot.jobs import default_worker_name, work
+
+    url = platform_db_url(db)
+    try:
+        engine = _engine(url)
+    except SpecError as err:
+        fail(err)
+    ran = work(engine, url, name=name or default_worker_name(), poll_seconds=poll_seconds,
+               heartbeat_seconds=heartbeat_seconds, grace_seconds=grace_seconds, exit_when_idle=exit_when_idle)
+    typer.echo(f"worker idle after {ran} job{'s' if ran != 1 else ''}", err=True)
+
+
+def scheduler(
+    db: Db = None,
+    once: Annotated[bool, typer.Option("--once", help="Fire what is due now and return.")] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at the schedules.")] = 30.0,
+) -> None:
+    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study."""
+    from fedpilot.cli import fail
+    from fedpilot.schedule import serve
+
+    try:
+        engine = _engine(db)
+    except SpecError as err:
+        fail(err)
+    queued = serve(engine, once=once, poll_seconds=poll_seconds)
+    typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
+
+
+@schedule_app.command("add")
+def schedule_add(
+    pipeline: Pipeline,
+    overrides: Overrides = None,
+    cron: Annotated[str, typer.Option(help='Crontab expression in UTC, e.g. "0 2 * * *" (02:00 daily).')] = ...,
+    trials: Annotated[int, typer.Option(min=1, help="Trials each firing adds to the study.")] = ...,
+    name: Annotated[str | None, typer.Option(help="Schedule name, also its Optuna study (default: the "
+                                                  "pipeline's search.study).")] = None,
+    db: Db = None,
+) -> None:
+    """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials."""
+    from fedpilot.cli import fail
+    from fedpilot.schedule import add
+
+    try:
+        schedule = add(_engine(db), pipeline, overrides or [], cron, trials, name)
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC), +{schedule.trials} trials to study "
+               f"{schedule.study}")
+
+
+@schedule_app.command("list")
+def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
+    """List schedules with their cron, trials per firing, study, state, firings and next fire time."""
+    from fedpilot.cli import fail
+    from fedpilot.schedule import list_schedules
+
+    try:
+        rows = list_schedules(_engine(db))
+    except SpecError as err:
+        fail(err)
+    _print_rows(rows, as_json, ["name", "pipeline", "cron", "trials", "study", "paused", "firings", "next_fire_time"])
+
+
+def _change(name: str, db: str | None, action: str) -> None:
+    """Pause, resume or remove the schedule `name`."""
+    from fedpilot.cli import fail
+    from fedpilot.schedule import remove, set_paused
+
+    try:
+        engine = _engine(db)
+        if action == "removed":
+            remove(engine, name)
+        else:
+            set_paused(engine, name, action == "paused")
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"schedule {name}: {action}")
+
+
+ScheduleName = Annotated[str, typer.Argument(help="The schedule's name (see `fedpilot schedule list`).")]
+
+
+@schedule_app.command("pause")
+def schedule_pause(name: ScheduleName, db: Db = None) -> None:
+    """Stop a schedule from firing until it is resumed."""
+    _change(name, db, "paused")
+
+
+@schedule_app.command("resume")
+def schedule_resume(name: ScheduleName, db: Db = None) -> None:
+    """Let a paused schedule fire again (firings missed while paused are skipped)."""
+    _change(name, db, "resumed")
+
+
+@schedule_app.command("remove")
+def schedule_remove(name: ScheduleName, db: Db = None) -> None:
+    """Delete a schedule and its firing records; its jobs and Optuna study stay."""
+    _change(name, db, "removed")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the job-queue commands and the `schedule` group to the `fedpilot` app."""
+    for command in (submit, jobs, cancel, worker, scheduler):
+        app.command()(command)
+    app.add_typer(schedule_app, name="schedule")

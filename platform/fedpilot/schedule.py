@@ -1,0 +1,154 @@
+"""Cron schedules of Optuna searches: each firing queues a search job that adds N trials to the study.
+
+Firing k of a schedule (k counted by its recorded firings) queues a search for k * N trials in total. A firing
+is recorded once, whatever the number of schedulers, by the unique (schedule_id, fire_time) key of
+`fedpilot_firings`; the job is queued in the same transaction. Missed firings coalesce into the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from apscheduler.triggers.cron import CronTrigger
+from sqlalchemy import Engine, delete, func, select
+from sqlalchemy.exc import IntegrityError
+
+from fedpilot.db import QUEUED, Firing, Job, Schedule, session_factory, utcnow
+from fedpilot.errors import SpecError
+
+
+def trigger(cron: str) -> CronTrigger:
+    """The UTC cron trigger of a crontab expression; a bad one is a SpecError on `--cron`."""
+    try:
+        return CronTrigger.from_crontab(cron, timezone="UTC")
+    except ValueError as err:
+        raise SpecError("--cron", cron, f"not a valid cron expression: {err}") from None
+
+
+def add(engine: Engine, path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
+        now: datetime | None = None) -> Schedule:
+    """Validate a pipeline with a search block and store a schedule (study = its name, default the study)."""
+    from fedpilot.spec import load_pipeline
+
+    trigger(cron)
+    resolved = load_pipeline(path, overrides).resolved()
+    block = resolved.get("search")
+    if not block:
+        raise SpecError("search", None, "a schedule runs searches: the pipeline needs a `search:` block")
+    if trials < 1:
+        raise SpecError("--trials", trials, "must be at least 1")
+    name = name or block["study"]
+    resolved["search"] = {**block, "study": name}
+    since = now or utcnow()
+    schedule = Schedule(name=name, pipeline=resolved["name"], spec=json.dumps(resolved), cron=cron, trials=trials,
+                        study=name, paused=False, created_at=since, active_since=since)
+    try:
+        with session_factory(engine).begin() as session:
+            session.add(schedule)
+    except IntegrityError:
+        raise SpecError("--name", name, "a schedule with this name exists (remove it or pick another "
+                        "--name)") from None
+    return schedule
+
+
+def list_schedules(engine: Engine, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Every schedule as a plain row with its firing count and next fire time."""
+    with session_factory(engine)() as session:
+        schedules = session.scalars(select(Schedule).order_by(Schedule.name)).all()
+        counts = dict(session.execute(select(Firing.schedule_id, func.count()).group_by(Firing.schedule_id)).all())
+    moment = now or utcnow()
+    rows = []
+    for s in schedules:
+        upcoming = None if s.paused else trigger(s.cron).get_next_fire_time(None, moment)
+        rows.append({"name": s.name, "pipeline": s.pipeline, "cron": s.cron, "trials": s.trials, "study": s.study,
+                     "paused": s.paused, "firings": counts.get(s.id, 0),
+                     "next_fire_time": upcoming.isoformat() if upcoming else None,
+                     "created_at": s.created_at.isoformat()})
+    return rows
+
+
+def set_paused(engine: Engine, name: str, paused: bool, now: datetime | None = None) -> None:
+    """Pause or resume a schedule; a resumed schedule does not fire for the time it was paused."""
+    with session_factory(engine).begin() as session:
+        schedule = _named(session, name)
+        if schedule.paused and not paused:
+            schedule.active_since = now or utcnow()
+        schedule.paused = paused
+
+
+def remove(engine: Engine, name: str) -> None:
+    """Delete a schedule and its firing records (its jobs and study stay)."""
+    with session_factory(engine).begin() as session:
+        schedule = _named(session, name)
+        session.execute(delete(Firing).where(Firing.schedule_id == schedule.id))
+        session.delete(schedule)
+
+
+def _named(session: Any, name: str) -> Schedule:
+    schedule = session.scalar(select(Schedule).where(Schedule.name == name))
+    if schedule is None:
+        known = session.scalars(select(Schedule.name)).all()
+        raise SpecError("NAME", name, "no such schedule", allowed=known or None)
+    return schedule
+
+
+def latest_due(cron: CronTrigger, after: datetime, now: datetime) -> datetime | None:
+    """The latest fire time in (after, now], found by bisection (a long outage costs no more than a short one)."""
+    first = cron.get_next_fire_time(after, after)
+    if first is None or first > now:
+        return None
+    at_now = cron.get_next_fire_time(None, now)
+    if at_now is not None and at_now <= now:
+        return at_now
+    lo, hi = first, now  # invariant: the first fire time at or after lo is <= now, the one after hi is not
+    while hi - lo > timedelta(seconds=1):
+        mid = lo + (hi - lo) / 2
+        fire = cron.get_next_fire_time(None, mid)
+        lo, hi = (mid, hi) if fire is not None and fire <= now else (lo, mid)
+    return cron.get_next_fire_time(None, lo)
+
+
+def tick(engine: Engine, now: datetime) -> list[int]:
+    """Fire every active schedule that is due at `now` (once, coalescing missed firings); the queued job ids."""
+    with session_factory(engine)() as session:
+        schedules = session.scalars(select(Schedule).where(Schedule.paused.is_(False))).all()
+    return [job_id for s in schedules if (job_id := fire(engine, s, now)) is not None]
+
+
+def fire(engine: Engine, schedule: Schedule, now: datetime) -> int | None:
+    """Record the schedule's latest due firing and queue its search job in one transaction; the job id, or
+    None when nothing is due or another scheduler recorded this firing first."""
+    with session_factory(engine)() as session:
+        last, count = session.execute(select(func.max(Firing.fire_time), func.count())
+                                      .where(Firing.schedule_id == schedule.id)).one()
+        after = max(schedule.active_since, last) if last is not None else schedule.active_since
+        due = latest_due(trigger(schedule.cron), after, now)
+        if due is None:
+            return None
+        job = Job(kind="search", pipeline=schedule.pipeline, spec=schedule.spec, trials=(count + 1) * schedule.trials,
+                  study=schedule.study, schedule_id=schedule.id, status=QUEUED, attempts=0, created_at=now)
+        session.add(job)
+        try:
+            session.flush()
+            session.add(Firing(schedule_id=schedule.id, fire_time=due, job_id=job.id, recorded_at=now))
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+            return None
+        return job.id
+
+
+def serve(engine: Engine, *, now: Callable[[], datetime] = utcnow, once: bool = False,
+          poll_seconds: float = 30.0) -> list[int]:
+    """The scheduler loop: tick every `poll_seconds` (one tick with `once`); the job ids queued."""
+    queued: list[int] = []
+    while True:
+        queued += tick(engine, now())
+        if once:
+            return queued
+        time.sleep(poll_seconds)

@@ -1,0 +1,309 @@
+"""Hyperparameter searches: an Optuna study over a pipeline's spec keys, each trial a whole pipeline run.
+
+`fedpilot search PIPELINE --trials N` brings the study (in an SQL storage; resumable by name) to N finished
+trials, also when several processes work on the same study at once: a short lease row per study in the same
+database serializes the moment a trial is created, so exactly N trials finish, none twice. Trials send
+heartbeats; a trial whose process died goes stale, is failed by Optuna and re-enqueued with the same
+parameters (RetryHeartbeatStaleTrialCallback), and the next process to look runs it. Trials reuse the
+stage cache, so stages the space does not touch (usually pretraining) run once for the whole study.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+from lightning.pytorch.callbacks import Callback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.trial import TrialState
+from sqlalchemy import Column, DateTime, MetaData, String, Table, create_engine, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from fedpilot.errors import SpecError
+from fedpilot.pipeline import PipelineRunner
+from fedpilot.spec import Param, PipelineSpec, with_values
+from fedpilot.tracking import Tracker, schema_init_lock, tracking_uri
+
+LEASE_SECONDS = 30
+STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+_metadata = MetaData()
+_leases = Table("fedpilot_study_leases", _metadata,
+                Column("study", String(512), primary_key=True), Column("owner", String(128)),
+                Column("until", DateTime(timezone=True)), Column("mlflow_run_id", String(64)))
+
+
+def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
+    """The trial's value for one space dimension."""
+    if param.type == "categorical":
+        return trial.suggest_categorical(key, param.choices)
+    if param.type == "int":
+        return trial.suggest_int(key, int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
+    return trial.suggest_float(key, param.low, param.high, step=param.step, log=param.log)
+
+
+def make_sampler(spec: PipelineSpec, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The search's sampler seeded with `seed + offset` (the trial count: distinct seeds across processes)."""
+    sampler = spec.search.sampler
+    seed = sampler.seed + offset
+    if sampler.kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler.kind == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+
+
+def make_pruner(spec: PipelineSpec) -> optuna.pruners.BasePruner:
+    pruner = spec.search.pruner
+    if pruner.kind == "none" or len(spec.search.objective) > 1:
+        return optuna.pruners.NopPruner()
+    if pruner.kind == "hyperband":
+        return optuna.pruners.HyperbandPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=pruner.startup_trials, n_warmup_steps=pruner.warmup_rounds)
+
+
+class PruneOnEvaluation(Callback):
+    """Reports the objective's metric at each evaluation of a stage and prunes the trial when Optuna says so.
+
+    Steps count rounds across the pipeline (a stage's rounds are offset by those of the stages before it), so
+    every trial reports the same steps whatever stages it reused from the cache.
+    """
+
+    def __init__(self, trial: optuna.Trial, metric: str, offset: int):
+        self.trial, self.metric, self.offset = trial, metric, offset
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        value = pl_module.round_log.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return
+        self.trial.report(value, self.offset + trainer.global_step)
+        if self.trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at round {self.offset + trainer.global_step}: {self.metric}={value:.4f}")
+
+
+class StudyLease:
+    """A row per study in the storage database: who may create the next trial, and the study's MLflow run."""
+
+    def __init__(self, url: str, study: str):
+        self.engine = create_engine(url, connect_args={"timeout": 30} if url.startswith("sqlite") else {})
+        _metadata.create_all(self.engine)
+        self.study, self.owner = study, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        try:
+            with self.engine.begin() as db:
+                db.execute(insert(_leases).values(study=study))
+        except IntegrityError:
+            pass
+
+    def acquire(self, poll: float = 0.2) -> None:
+        """Wait until this process holds the lease (taken over from a holder that died after LEASE_SECONDS)."""
+        while True:
+            now = datetime.now(timezone.utc)
+            with self.engine.begin() as db:
+                took = db.execute(update(_leases).where(
+                    _leases.c.study == self.study,
+                    (_leases.c.owner.is_(None)) | (_leases.c.until < now) | (_leases.c.owner == self.owner),
+                ).values(owner=self.owner, until=now + timedelta(seconds=LEASE_SECONDS))).rowcount
+            if took:
+                return
+            time.sleep(poll)
+
+    def release(self) -> None:
+        with self.engine.begin() as db:
+            db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.owner == self.owner)
+                       .values(owner=None, until=None))
+
+    def mlflow_run(self, create: Callable[[], str], discard: Callable[[str], None]) -> str:
+        """The study's MLflow search run: the one recorded here, else a new one (first writer wins)."""
+        with self.engine.begin() as db:
+            known = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()
+        if known:
+            return known
+        mine = create()
+        with self.engine.begin() as db:
+            db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.mlflow_run_id.is_(None))
+                       .values(mlflow_run_id=mine))
+            winner = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()
+        if winner != mine:
+            discard(mine)
+        return winner
+
+
+@dataclass
+class SearchResult:
+    study: str
+    run_id: str
+    finished: int
+    pruned: int
+    best_values: list[float]
+    best_params: dict[str, Any]
+    rounds_trained: int
+
+
+class Search:
+    """Runs trials of one study until it has `trials` finished ones (or the time budget is spent)."""
+
+    def __init__(self, spec: PipelineSpec, storage_url: str, trials: int | None = None, study: str | None = None,
+                 cache_dir: Path | None = None, heartbeat_seconds: int = 10,
+                 echo: Callable[[str], None] = print):
+        if spec.search is None:
+            raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
+        self.spec, self.search, self.cache_dir, self.echo = spec, spec.search, cache_dir, echo
+        self.trials = trials or self.search.trials
+        self.study_name = study or self.search.study
+        if not storage_url.startswith(("sqlite", "postgresql", "mysql")):
+            raise SpecError("--storage", storage_url, "an SQLAlchemy database URL (sqlite:///file.db, "
+                            "postgresql+psycopg://user@host/db)")
+        directions = [o.direction for o in self.search.objective]
+        with schema_init_lock(storage_url):
+            storage = RDBStorage(storage_url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
+                                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+            self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=make_sampler(spec),
+                                             pruner=make_pruner(spec), directions=directions, load_if_exists=True)
+            self.lease = StudyLease(storage_url, self.study_name)
+        if [d.name.lower() for d in self.study.directions] != directions:
+            raise SpecError("search.objective", directions, f"study {self.study_name!r} exists with directions "
+                            f"{[d.name.lower() for d in self.study.directions]}; use another --study name")
+        self.tracker = Tracker(tracking_uri(spec.tracking.uri), spec.tracking.experiment or spec.name)
+        self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
+        self.rounds_trained = 0
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> SearchResult:
+        deadline = time.monotonic() + self.search.timeout_s if self.search.timeout_s else math.inf
+        while time.monotonic() < deadline:
+            self.lease.acquire()
+            fail_stale_trials(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
+            trials = self.study.get_trials(deepcopy=False, states=STARTED)
+            waiting = any(t.state == TrialState.WAITING for t in trials)
+            if waiting or len(trials) < self.trials:
+                # Seeded by the trial count, which the lease makes unique: a single process is reproducible and
+                # two processes never draw the same point.
+                self.study.sampler = make_sampler(self.spec, len(self.study.get_trials(deepcopy=False)))
+                try:
+                    self.study.optimize(self._objective, n_trials=1)  # releases the lease once the trial exists
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    self.echo("a trial outlived its heartbeat grace period and was failed by another process; "
+                              "it is retried")
+                self._log_best()
+                continue
+            self.lease.release()
+            if not any(t.state == TrialState.RUNNING for t in trials):
+                break
+            time.sleep(1.0)  # other processes' trials are running; one may still fail and need a retry
+        self.lease.release()
+        self._log_best(plots=True)
+        return self._result()
+
+    def _objective(self, trial: optuna.Trial) -> float | list[float]:
+        self.lease.release()
+        values = {key: suggest(trial, key, param) for key, param in self.search.space.items()}
+        spec = with_values(self.spec, values)
+        runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False)
+        runner.extra_callbacks = self._pruning_callbacks(trial)
+        start = time.perf_counter()
+        try:
+            result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
+                                                           "fedpilot.study": self.study_name})
+        except optuna.TrialPruned:
+            self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
+            raise
+        finally:
+            self.rounds_trained += runner.rounds_trained
+        objectives = [self._value(result, o) for o in self.search.objective]
+        trial.set_user_attr("mlflow_run_id", result.run_id)
+        self.echo(f"trial {trial.number}: {_short(values)} -> "
+                  + ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True))
+                  + f" ({time.perf_counter() - start:.1f} s)")
+        return objectives[0] if len(objectives) == 1 else objectives
+
+    def _pruning_callbacks(self, trial: optuna.Trial) -> Callable[[int], list[Callback]]:
+        """Per trained stage (given its round offset in the pipeline): the pruning callback, if the objective allows."""
+        metric = self.search.objective[0].metric
+        if len(self.search.objective) > 1 or not metric.startswith("val_"):
+            return lambda offset: []
+        return lambda offset: [PruneOnEvaluation(trial, metric, offset)]
+
+    def _value(self, result: Any, objective: Any) -> float:
+        names = [s.name for s in self.spec.stages]
+        index = objective.stage if isinstance(objective.stage, int) else names.index(objective.stage)
+        return float(result.stages[index].metrics[objective.metric])
+
+    # ---- MLflow --------------------------------------------------------------------------------------------
+    def _create_search_run(self) -> str:
+        client = self.tracker.client
+        run = client.create_run(self.tracker.experiment_id, run_name=f"search-{self.study_name}",
+                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name})
+        space = {f"space.{k}": json.dumps(v.model_dump(exclude_none=True)) for k, v in self.search.space.items()}
+        objective = {f"objective.{i}": f"{o.direction} {o.metric} of stage {o.stage}"
+                     for i, o in enumerate(self.search.objective)}
+        self.tracker.log_params(run.info.run_id, {**space, **objective, "sampler": self.search.sampler.kind,
+                                                  "pruner": self.search.pruner.kind})
+        return run.info.run_id
+
+    def _log_best(self, plots: bool = False) -> None:
+        """Best trial(s) so far on the search run (value as metrics, params as tags); plots at the end."""
+        client, done = self.tracker.client, self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not done:
+            return
+        self.tracker.log_metrics(self.run_id, {"finished_trials": len(done)}, step=len(done))
+        if len(self.search.objective) == 1:
+            best = self.study.best_trial
+            self.tracker.log_metrics(self.run_id, {f"best_{self.search.objective[0].metric}": best.value},
+                                     step=len(done))
+            self.tracker.set_tags(self.run_id, {"best_trial": str(best.number),
+                                                **{f"best.{k}": str(v) for k, v in best.params.items()}})
+            client.log_dict(self.run_id, {"trial": best.number, "value": best.value, "params": best.params},
+                            "best.json")
+        else:
+            front = [{"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials]
+            client.log_dict(self.run_id, front, "pareto_front.json")
+        if plots:
+            self._log_plots()
+
+    def _log_plots(self) -> None:
+        from optuna.visualization import matplotlib as ov
+
+        names = [o.metric for o in self.search.objective]
+        figures: dict[str, Callable[[], Any]] = {}
+        if len(names) == 1:
+            figures["optimization_history"] = lambda: ov.plot_optimization_history(self.study, target_name=names[0])
+            figures["intermediate_values"] = lambda: ov.plot_intermediate_values(self.study)
+            if len(self.search.space) > 1 and len(self.study.get_trials(states=(TrialState.COMPLETE,))) > 2:
+                figures["param_importances"] = lambda: ov.plot_param_importances(self.study)
+        else:
+            figures["pareto_front"] = lambda: ov.plot_pareto_front(self.study, target_names=names)
+        for name, plot in figures.items():
+            axes = plot()
+            figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+            figure.set_size_inches(8, 5)
+            self.tracker.client.log_figure(self.run_id, figure, f"plots/{name}.png")
+
+    def _result(self) -> SearchResult:
+        finished = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        pruned = sum(t.state == TrialState.PRUNED for t in finished)
+        best_values, best_params = [], {}
+        if any(t.state == TrialState.COMPLETE for t in finished):
+            best = self.study.best_trials[0]
+            best_values, best_params = list(best.values), dict(best.params)
+        return SearchResult(self.study_name, self.run_id, len(finished), pruned, best_values, best_params,
+                            self.rounds_trained)
+
+
+def _short(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def quiet_optuna() -> None:
+    """Our one line per trial replaces Optuna's log; its experimental-API warnings are not the user's concern."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -1,0 +1,201 @@
+"""Searches: bad search specs, exact trial counts across processes, resume by name, retries, pruning, MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from fedpilot.errors import SpecError
+from fedpilot.spec import PipelineSpec
+from fedpilot.tuning import PruneOnEvaluation, Search, quiet_optuna
+from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+
+SPACE = {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": 0.3, "log": True}}
+SEARCH = {"space": SPACE, "objective": {"metric": "val_acc_weighted"}, "trials": 3,
+          "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}}
+TINY = {**SMALL, "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}],
+        "search": SEARCH}
+
+
+def spec_with(search: dict) -> dict:
+    raw = {k: v for k, v in SMALL.items() if k != "defaults"}
+    return {**raw, "dataset": {"source": {"kind": "digits"}, **SMALL["dataset"]}, "model": {"name": "mlp", "hidden": [32]},
+            "search": search}
+
+
+@pytest.mark.parametrize(("search", "message"), [
+    ({**SEARCH, "space": {"stages.1.params.lr_w": SPACE["stages.1.params.lr_v"]}},
+     r"search.space.stages.1.params.lr_w='lr_w': not a key of the pipeline.*did you mean 'lr_v'"),
+    ({**SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0.5, "high": 0.1}}},
+     r"search.space.stages.0.local.lr=.*low=0.5 > high=0.1"),
+    ({**SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0, "high": 0.1, "log": True}}},
+     r"log scale needs low > 0"),
+    ({**SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0, "high": 0.1}}},
+     r"search.space.stages.0.local.lr=0.0: gives an invalid pipeline: stages.0.local.lr=0.0"),
+    ({**SEARCH, "space": {"stages.0.algorithm": {"type": "categorical", "choices": ["fedavg", "fedprox"]}}},
+     r"search.space.stages.0.algorithm='fedprox'"),
+    ({**SEARCH, "objective": {"metric": "test_acc_mean"}}, r"never optimize test metrics"),
+    ({**SEARCH, "objective": {"metric": "val_acc_p10", "stage": "polish"}},
+     r"search.objective.0.stage='polish': no such stage"),
+    ({**SEARCH, "objective": {"metric": "val_accuracy"}}, r"search.objective.metric='val_accuracy'.*val_acc_mean"),
+    ({**SEARCH, "spaces": {}}, r"search.spaces=\{\}: unknown key.*did you mean 'space'"),
+])
+def test_bad_search_specs_name_the_key(search, message):
+    with pytest.raises(SpecError, match=message):
+        PipelineSpec.from_dict(spec_with(search))
+
+
+def test_search_cli_errors_exit_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    no_search = write_pipeline(tmp_path)
+    code, output = cli("search", str(no_search))
+    assert code == 2 and "search=None: the pipeline has no `search:` block" in output
+    code, output = cli("search", str(write_pipeline(tmp_path, TINY, "t.yaml")), "--storage", "redis://x")
+    assert code == 2 and "--storage='redis://x'" in output
+    assert not (tmp_path / "fedpilot.db").exists()
+
+
+@pytest.fixture
+def env(workdir):
+    quiet_optuna()
+    return workdir
+
+
+def test_search_records_trials_under_one_run_and_resumes_by_name(env):
+    path = write_pipeline(env, TINY, "tiny.yaml")
+    storage = f"sqlite:///{env}/optuna.db"
+    code, output = cli("search", str(path), "--storage", storage)
+    assert code == 0, output
+    study = optuna.load_study(study_name="small", storage=storage)
+    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 3
+    code, again = cli("search", str(path), "--storage", storage, "--trials", "5")
+    assert code == 0, again
+    assert run_id_of(again) == run_id_of(output)  # the same study keeps its search run
+    trials = study.get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4] and all(t.state.name == "COMPLETE" for t in trials)
+
+    client = MlflowClient()
+    search_run = client.get_run(run_id_of(output))
+    assert search_run.data.tags["fedpilot.search"] == "small"
+    assert search_run.data.tags["best_trial"] == str(study.best_trial.number)
+    assert float(search_run.data.tags["best.stages.1.params.lr_v"]) == study.best_params["stages.1.params.lr_v"]
+    assert search_run.data.metrics["best_val_acc_weighted"] == pytest.approx(study.best_value)
+    plots = {a.path for a in client.list_artifacts(search_run.info.run_id, "plots")}
+    assert {"plots/optimization_history.png", "plots/intermediate_values.png"} <= plots
+    trial_runs = client.search_runs(search_run.info.experiment_id,
+                                    f"tags.mlflow.parentRunId = '{search_run.info.run_id}'")
+    assert sorted(int(r.data.tags["fedpilot.trial"]) for r in trial_runs) == [0, 1, 2, 3, 4]
+    pretrain_cache = []
+    for trial_run in trial_runs:
+        stages = client.search_runs(search_run.info.experiment_id,
+                                    f"tags.mlflow.parentRunId = '{trial_run.info.run_id}'")
+        pretrain_cache += [s.data.tags["fedpilot.cache"] for s in stages if s.data.tags["fedpilot.stage"] == "pretrain"]
+    assert sorted(pretrain_cache) == ["hit"] * 4 + ["miss"]  # the space only touches stage 1: pretrain runs once
+
+
+def test_a_trial_below_the_median_is_pruned_and_its_run_killed(env):
+    search = {**SEARCH, "space": {"stages.1.local.lr": {"type": "categorical", "choices": [0.2, 1e-6]}},
+              "pruner": {"kind": "median", "startup_trials": 1}}
+    spec = PipelineSpec.from_dict({**spec_with(search), "stages": [
+        {**SMALL["stages"][0], "rounds": 2},
+        {**SMALL["stages"][1], "rounds": 6, "params": {"lr_v": 1e-6}}]})
+    runner = Search(spec, f"sqlite:///{env}/optuna.db", trials=2, echo=lambda line: None)
+    runner.study.enqueue_trial({"stages.1.local.lr": 0.2})
+    runner.study.enqueue_trial({"stages.1.local.lr": 1e-6})
+    result = runner.run()
+    states = [t.state.name for t in runner.study.get_trials()]
+    assert states == ["COMPLETE", "PRUNED"] and result.pruned == 1
+    assert result.rounds_trained < 2 + 6 + 6  # the pruned trial stopped before its last round
+    client = MlflowClient()
+    pruned = client.search_runs(client.get_run(result.run_id).info.experiment_id, "tags.`fedpilot.trial` = '1'")[0]
+    assert pruned.info.status == "KILLED"
+
+
+def test_prune_callback_reports_rounds_across_stages():
+    reports = []
+
+    class Trial:
+        def report(self, value, step):
+            reports.append((value, step))
+
+        def should_prune(self):
+            return len(reports) > 1
+
+    class Module:
+        round_log = {"val_acc_weighted": 0.5}
+
+    class Trainer:
+        global_step = 10
+
+    callback = PruneOnEvaluation(Trial(), "val_acc_weighted", offset=100)
+    callback.on_train_batch_end(Trainer(), Module())
+    with pytest.raises(optuna.TrialPruned):
+        callback.on_train_batch_end(Trainer(), Module())
+    assert reports == [(0.5, 110), (0.5, 110)]
+
+
+def _worker(db: str, tmp_path, grace: int = 5) -> subprocess.Popen:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+           "FEDPILOT_CACHE": str(tmp_path / "cache")}
+    return subprocess.Popen([sys.executable, "-m", "fedpilot.cli", "worker", "--db", db, "--exit-when-idle",
+                             "--poll-seconds", "0.5", "--heartbeat-seconds", "2", "--grace-seconds", str(grace)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _jobs(db: str) -> list[dict]:
+    code, output = cli("jobs", "--db", db, "--json")
+    assert code == 0, output
+    return json.loads(output)
+
+
+def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, db_url):
+    path = write_pipeline(tmp_path, TINY, "tiny.yaml")
+    for _ in range(2):
+        code, output = cli("submit", str(path), "--search", "--trials", "6", "--db", db_url)
+        assert code == 0, output
+    workers = [_worker(db_url, tmp_path) for _ in range(2)]
+    logs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), logs
+    jobs = _jobs(db_url)
+    assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], [j.get("stderr_tail", j) for j in jobs]
+    assert len({j["worker"] for j in jobs}) == 2
+    trials = optuna.load_study(study_name="small", storage=db_url).get_trials()
+    assert len(trials) == 6 and all(t.state.name == "COMPLETE" for t in trials)
+    assert len({t.params["stages.1.params.lr_v"] for t in trials}) == 6  # no point evaluated twice
+
+
+def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path):
+    db = f"sqlite:///{tmp_path}/platform.db"
+    slow = {**TINY, "evaluation": {"every": 1000},
+            "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 800}]}
+    code, output = cli("submit", str(write_pipeline(tmp_path, slow, "slow.yaml")), "--search", "--trials", "1",
+                       "--db", db)
+    assert code == 0, output
+    victim = _worker(db, tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if optuna.load_study(study_name="small", storage=db).get_trials(states=(optuna.trial.TrialState.RUNNING,)):
+                break
+        except KeyError:
+            pass
+        time.sleep(0.3)
+    time.sleep(2.5)
+    victim.kill()  # SIGKILL: the worker and (PDEATHSIG) its `fedpilot search` child die mid-trial
+    victim.wait()
+    time.sleep(6)  # past the worker grace period (5 s): the job counts as abandoned
+    survivor = _worker(db, tmp_path)
+    log = survivor.communicate(timeout=600)[0]
+    assert survivor.returncode == 0, log
+    [job] = _jobs(db)
+    assert job["status"] == "succeeded" and job["attempts"] == 2, job
+    trials = optuna.load_study(study_name="small", storage=db).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    assert trials[1].system_attrs["failed_trial"] == trials[0].number and trials[1].params == trials[0].params

@@ -199,3 +199,24 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path):
     trials = optuna.load_study(study_name="small", storage=db).get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
     assert trials[1].system_attrs["failed_trial"] == trials[0].number and trials[1].params == trials[0].params
+
+
+def test_multi_objective_search_records_a_pareto_front_and_the_time_budget_stops_it(env):
+    search = {**SEARCH, "space": {"personalization": {"type": "categorical", "choices": ["output_layer", "input_layer"]}},
+              "objective": [{"metric": "val_acc_weighted", "direction": "maximize"},
+                            {"metric": "personal_bytes_per_client", "direction": "minimize"}],
+              "sampler": {"kind": "nsga2", "seed": 0}}
+    spec = PipelineSpec.from_dict({**spec_with(search), "stages": TINY["stages"]})
+    result = Search(spec, f"sqlite:///{env}/optuna.db", trials=3, echo=lambda line: None).run()
+    assert result.finished == 3 and result.pruned == 0
+    client = MlflowClient()
+    names = {a.path for a in client.list_artifacts(result.run_id)} | {
+        a.path for a in client.list_artifacts(result.run_id, "plots")}
+    assert {"pareto_front.json", "plots/pareto_front.png"} <= names
+    expected = {"output_layer": (32 + 1) * 10 * 4, "input_layer": (64 + 1) * 32 * 4}  # of the 64-32-10 MLP
+    for trial in optuna.load_study(study_name="small", storage=f"sqlite:///{env}/optuna.db").get_trials():
+        assert trial.values[1] == expected[trial.params["personalization"]]
+
+    budget = PipelineSpec.from_dict({**spec_with({**SEARCH, "timeout_s": 0.5}), "stages": TINY["stages"]})
+    timed = Search(budget, f"sqlite:///{env}/budget.db", trials=50, echo=lambda line: None).run()
+    assert 1 <= timed.finished < 50  # a trial started before the deadline finishes, then the search stops

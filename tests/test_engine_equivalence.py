@@ -7,8 +7,8 @@ import torch
 
 import fedpilot.engine.sequential  # noqa: F401  registers the test-only executor
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
-from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.algorithms import Algorithm, build_algorithm
+from fedpilot.engine import Cohort, FederatedStage, LocalConfig, StageConfig, Upload
 from fedpilot.engine.local import choose_execution
 
 HEAD = ["head.weight", "head.bias"]
@@ -33,7 +33,8 @@ def run_stage(algo: str, personal: list[str] | None, params: dict, execution: st
     names = [n for n, _ in model.named_parameters()] if personal is None else personal
     data = data or ToyData()
     cfg = StageConfig(rounds=4, clients_per_round=7, local=local, max_parallel_clients=chunk, eval_every=2)
-    stage = FederatedStage(model, names, data, build_algorithm(algo, params), cfg, seed=3)
+    algorithm = build_algorithm(algo, params) if isinstance(algo, str) else algo
+    stage = FederatedStage(model, names, data, algorithm, cfg, seed=3)
     stage.execution = execution
     fit(stage)
     shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
@@ -83,3 +84,40 @@ def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
     assert choose_execution("auto", TinyMLP(), cpu) == "vmap"
     assert choose_execution("auto", cnn, torch.device("cuda")) == "vmap"
     assert choose_execution("loop", TinyMLP(), cpu) == "loop"
+
+
+class GradientStep(Algorithm):
+    """Test algorithm: personal part steps on its own gradient, the shared part is uploaded as a gradient,
+    and a per-client counter lives in the engine's client state."""
+
+    name = "gradient-step-test"
+
+    def client_state(self) -> dict[str, torch.Tensor]:
+        return {"visits": torch.zeros(())}
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        personal = cohort.gradient("personal", steps=2)
+        cohort.personal = {n: v - 0.1 * personal[n] for n, v in cohort.personal.items()}
+        cohort.state = {"visits": cohort.state["visits"] + 1}
+        return Upload(grad=cohort.gradient("shared", steps=3))
+
+
+def test_gradients_and_client_state_match_sequential():
+    local = LocalConfig(batch_size=4, lr=0.1)
+    reference = run_stage(GradientStep(), HEAD, {}, "sequential", 1, local)
+    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+        got = run_stage(GradientStep(), HEAD, {}, execution, chunk, local)
+        assert_close(got[0], reference[0])
+        assert_close(got[1], reference[1])
+
+
+def test_client_state_counts_each_clients_visits():
+    stage = FederatedStage(TinyMLP(), HEAD, ToyData(), GradientStep(),
+                           StageConfig(rounds=5, clients_per_round=4, local=LocalConfig(batch_size=4)), seed=1)
+    fit(stage)
+    visits = stage.state_bank.tensor("visits")
+    assert visits.sum() == 5 * 4 and visits.max() <= 5
+    sampled = torch.zeros(12)
+    for r in range(5):
+        sampled[stage.sample_cohort(r)] += 1
+    assert torch.equal(visits, sampled)

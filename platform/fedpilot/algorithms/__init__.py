@@ -1,17 +1,33 @@
-"""Algorithm registry: the names a pipeline may use, mapped to their classes (nothing is imported by path)."""
+"""Algorithm registry: every Algorithm subclass with a `name` in a module of this package, by that name.
+
+A new algorithm is one module here (plus configs/algorithm/NAME.yaml and tests); nothing is imported by a
+path from a user's YAML, only these names.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.algorithms.fedalt import FedAlt
-from fedpilot.algorithms.fedavg import FedAvg
-from fedpilot.algorithms.fedsim import FedSim
-from fedpilot.algorithms.finetune import Finetune, LocalOnly
 from fedpilot.errors import SpecError
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, FedSim, FedAlt, Finetune, LocalOnly)}
+
+def _discover() -> dict[str, type[Algorithm]]:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    found: dict[str, type[Algorithm]] = {}
+    pending = list(Algorithm.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if "name" in vars(cls):
+            found[cls.name] = cls
+    return dict(sorted(found.items()))
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = _discover()
 
 
 def build_algorithm(name: str, params: dict[str, Any] | None = None, key: str = "algorithm") -> Algorithm:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from fedpilot.engine import Cohort, Upload, WeightedMean
@@ -32,6 +33,7 @@ class Algorithm(ABC):
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
         self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})
+        self.server_state: dict[str, Any] = {}  # the server's own state across rounds; checkpointed by the stage
 
     @property
     def stateful(self) -> bool:
@@ -42,6 +44,11 @@ class Algorithm(ABC):
         return None
 
     aggregator = WeightedMean
+
+    def client_state(self) -> dict[str, torch.Tensor]:
+        """Initial per-client state beyond parameters (e.g. Self-FL's variances), without the client dimension;
+        the engine keeps a [n_clients, ...] bank of it, checkpointed, and hands a cohort its rows as `cohort.state`."""
+        return {}
 
     @abstractmethod
     def local_update(self, cohort: Cohort) -> Upload:

@@ -86,15 +86,50 @@ class Cohort:
     """
 
     def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice, cohort_clients: torch.Tensor,
-                 shared: Params, personal: Params, personal_init: Params):
+                 shared: Params, personal: Params, personal_init: Params, state: Params | None = None):
         self.work, self.clients, self.rows, self.cohort_clients = work, clients, rows, cohort_clients
         self.shared, self.personal, self.personal_init = shared, personal, personal_init
+        self.state = state or {}  # the algorithm's per-client state [K, ...] (Algorithm.client_state), kept by the engine
         self.weights = work.sizes[clients].to(torch.float32)
         self.stats = TrainStats.zeros(len(clients), work.x.device)
         self._phase = 0
 
     def __len__(self) -> int:
         return len(self.clients)
+
+    @property
+    def round(self) -> int:
+        """The round index within the stage."""
+        return self.work.seed_key[2]
+
+    @property
+    def n_clients(self) -> int:
+        """All clients of the federation (I), not only this cohort."""
+        return len(self.work.sizes)
+
+    @property
+    def cohort_size(self) -> int:
+        """Clients sampled this round (r), over all chunks."""
+        return len(self.cohort_clients)
+
+    def gradient(self, part: Part = "shared", *, steps: int | None = 1, epochs: float | None = None,
+                 shared: Params | None = None) -> Params:
+        """Each client's mean stochastic gradient of its loss over `steps` fresh minibatches (or `epochs`), taken
+        at its current parameters, for the `part` parameters [K, ...]; nothing is updated.
+
+        `shared` optionally replaces the broadcast with per-client shared parameters [K, ...] (stale models).
+        """
+        plan = self.work.plan(self.cohort_clients, self._phase, epochs, None if epochs else steps).rows(self.rows)
+        self._phase += 1
+        per_client_shared = shared is not None
+        params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
+        work = self.work
+        executor = EXECUTORS[choose_execution(work.executor, work.model, work.x.device)]()
+        return executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
+
+    def _batches(self, plan: BatchPlan) -> Batches:
+        return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
+                       plan.active)
 
     def sgd(self, train: Part, lr: float | dict[str, float] | None = None, *, epochs: float | None = None,
             steps: int | torch.Tensor | None = None, shared: Params | None = None, prox: float = 0.0,
@@ -161,8 +196,7 @@ class Cohort:
             batches = Batches(feats, index, labels, weight, plan.active)
             trained = executor.train(work.model.head, head, {}, head_fixed, batches, _strip(rule, "head."), self.stats)
             return {"head." + n: v for n, v in trained.items()}
-        batches = Batches(work.x, plan.index, labels, weight, plan.active)
-        return executor.train(work.model, trainable, frozen, fixed, batches, rule, self.stats)
+        return executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
 
 
 def _strip(rule: StepRule, prefix: str) -> StepRule:

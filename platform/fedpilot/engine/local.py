@@ -146,6 +146,29 @@ class VmapExecutor:
             stats.add(loss, acc, active)
         return trainable
 
+    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
+                  stats: TrainStats) -> Params:
+        """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
+        step_grad = vmap(client_grad(module), in_dims=(0, 0, None, 0, 0, 0), randomness="different")
+        total = {n: torch.zeros_like(p) for n, p in params.items()}
+        count = torch.zeros(batches.index.shape[0], device=batches.active.device)
+        for s in range(batches.index.shape[1]):
+            active = batches.active[:, s]
+            if not bool(active.any()):
+                continue
+            x = batches.source[batches.index[:, s]]
+            grads, (loss, acc) = step_grad(params, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s])
+            for n, g in grads.items():
+                total[n] += g * _per_client(active.to(g.dtype), g)
+            count += active
+            stats.add(loss, acc, active)
+        return _mean_of_steps(total, count)
+
+
+def _mean_of_steps(total: Params, count: torch.Tensor) -> Params:
+    """Per-client sums of step gradients [K, ...] divided by each client's number of active steps."""
+    return {n: t / count.clamp_min(1).view(-1, *[1] * (t.dim() - 1)) for n, t in total.items()}
+
 
 class LoopExecutor:
     """One client after another, each with eager autograd over its own steps."""
@@ -170,6 +193,25 @@ class LoopExecutor:
                 stats.acc[k] += acc.detach()
                 stats.steps[k] += 1
         return trained
+
+    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
+                  stats: TrainStats) -> Params:
+        """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
+        step_grad = eager_client_grad(module)
+        total = {n: torch.zeros_like(p) for n, p in params.items()}
+        count = torch.zeros(batches.index.shape[0], device=batches.active.device)
+        for k in range(batches.index.shape[0]):
+            mine, my_frozen = {n: p[k] for n, p in params.items()}, {n: p[k] for n, p in frozen.items()}
+            for s in torch.nonzero(batches.active[k]).flatten().tolist():
+                g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.source[batches.index[k, s]],
+                                           batches.labels[k, s], batches.weight[k, s])
+                for n, v in g.items():
+                    total[n][k] += v
+                count[k] += 1
+                stats.loss[k] += loss
+                stats.acc[k] += acc.detach()
+                stats.steps[k] += 1
+        return _mean_of_steps(total, count)
 
 
 EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor}

@@ -52,6 +52,26 @@ class SequentialExecutor:
             results.append({n: p.detach().clone() for n, p in net.named_parameters() if n in trainable})
         return {n: torch.stack([r[n] for r in results]) for n in trainable}
 
+    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
+                  stats: TrainStats) -> Params:
+        """loss.backward() per active step into .grad, averaged over the client's steps."""
+        results = []
+        for k in range(batches.index.shape[0]):
+            net = copy.deepcopy(module)
+            values = {**{n: v[k] for n, v in params.items()}, **{n: v[k] for n, v in frozen.items()}, **fixed}
+            for name, param in net.named_parameters():
+                param.data.copy_(values[name])
+                param.requires_grad_(name in params)
+                param.grad = None
+            steps = torch.nonzero(batches.active[k]).flatten().tolist()
+            for s in steps:
+                real = batches.weight[k, s] > 0
+                _loss(net(batches.source[batches.index[k, s][real]]), batches.labels[k, s][real]).backward()
+                stats.steps[k] += 1
+            results.append({n: p.grad / max(len(steps), 1) if p.grad is not None else torch.zeros_like(p)
+                            for n, p in net.named_parameters() if n in params})
+        return {n: torch.stack([r[n] for r in results]) for n in params}
+
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     per_token = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none").view(y.shape)

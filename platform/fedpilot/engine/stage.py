@@ -55,6 +55,8 @@ class FederatedStage(L.LightningModule):
         self.personal_init = ClientBank({n: v.unsqueeze(0) for n, v in init.items()})
         start = bank if bank is not None else {n: v.expand(data.n_clients, *v.shape) for n, v in init.items()}
         self.bank = ClientBank({n: start[n].clone() for n in self.personal_names})
+        state = algorithm.client_state() if hasattr(algorithm, "client_state") else {}
+        self.state_bank = ClientBank({n: v.expand(data.n_clients, *v.shape).clone() for n, v in state.items()})
         self.execution = config.execution
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
@@ -97,11 +99,14 @@ class FederatedStage(L.LightningModule):
             self.evaluate(["val", "test"] if last else ["val"], round_idx + 1)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes}
+        checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
+                                  "algorithm": getattr(self.algorithm, "server_state", {})}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("fedpilot", {})
         self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
+        if hasattr(self.algorithm, "server_state"):
+            self.algorithm.server_state = dict(saved.get("algorithm", {}))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -141,10 +146,11 @@ class FederatedStage(L.LightningModule):
             ids = clients[rows]
             personal = self.bank.get(ids) if stateful else {
                 n: v.expand(len(ids), *v.shape) for n, v in init.items()}
-            cohort = Cohort(work, ids, rows, clients, shared, personal, init)
+            cohort = Cohort(work, ids, rows, clients, shared, personal, init, self.state_bank.get(ids))
             upload = self.algorithm.local_update(cohort)
             if stateful:
                 self.bank.put(ids, cohort.personal)
+            self.state_bank.put(ids, cohort.state)
             if upload.shared is not None or upload.grad is not None:
                 aggregate.add(upload, shared, cohort.weights)
             loss += float(cohort.stats.loss.sum())

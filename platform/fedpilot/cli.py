@@ -118,8 +118,14 @@ def run(
     result = runner.run(resume=resume)
     typer.echo("")
     typer.echo(format_outcomes(result.stages))
-    typer.echo(f"\nbrowse: fedpilot ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
+    typer.echo(f"\nbrowse: {_program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _program() -> str:
+    """How the user invoked fedpilot (e.g. .venv/bin/fedpilot under `make demo`), for commands we suggest."""
+    invoked = sys.argv[0]
+    return invoked if invoked.endswith("/fedpilot") else "fedpilot"
 
 
 def format_outcomes(stages: list) -> str:

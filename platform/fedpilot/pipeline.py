@@ -312,7 +312,9 @@ class PipelineRunner:
             weights = data.sizes[s].cpu().double()
             metrics.update({f"{s}_acc_{k}": v for k, v in distribution(stage.client_metrics[s]["acc"], weights).items()})
         report = split.report()
-        memory = {"shared_bytes": report["shared_bytes"], "shared_params": report["shared_params"],
+        shared = [p for n, p in stage.model.named_parameters() if n in set(stage.shared_names)]
+        memory = {"shared_bytes": sum(p.numel() * p.element_size() for p in shared),
+                  "shared_params": sum(p.numel() for p in shared),
                   "personal_bytes_per_client": report["personal_bytes_per_client"],
                   "personal_params_per_client": report["personal_params_per_client"],
                   "personal_bank_bytes": stage.bank.nbytes(),

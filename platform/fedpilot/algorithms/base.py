@@ -25,11 +25,15 @@ class Algorithm(ABC):
       visits_each_client_once  the stage is one pass over all clients (fine-tuning) instead of sampled rounds
       personal_part            a split preset that overrides the pipeline's ("none" for FedAvg, "all" for
                                whole-model fine-tuning), or None to use the pipeline's personalization
+      personal_copy            with personal_part "all": the server also keeps a global copy of every parameter
+                               (`cohort.shared`), trained and aggregated alongside the clients' personal copies
+                               (Ditto); clients are evaluated with their personal copy
     """
 
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     visits_each_client_once: ClassVar[bool] = False
+    personal_copy: ClassVar[bool] = False
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
         self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})

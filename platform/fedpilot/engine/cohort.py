@@ -151,22 +151,31 @@ class Cohort:
         trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
         rule = self._rule(trainable, lr, prox, reference)
         trainable = self._run(trainable, frozen, fixed, plan, rule)
-        personal = {n: trainable.get(n, v) for n, v in self.personal.items()}
         k = len(self.clients)
-        new_shared = {n: trainable.get(n, v if per_client_shared else v.expand(k, *v.shape))
-                      for n, v in shared.items()}
+        personal = {n: trainable[n] if train != "shared" and n in trainable else v for n, v in self.personal.items()}
+        new_shared = {n: trainable[n] if train != "personal" and n in trainable else (
+            v if per_client_shared else v.expand(k, *v.shape)) for n, v in shared.items()}
         return Local(shared=new_shared, personal=personal)
 
     def _assign(self, train: Part, shared: Params, per_client_shared: bool) -> tuple[Params, Params, Params]:
-        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..]."""
+        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..].
+
+        With a personal copy (names both shared and personal, Ditto) the trained copy is the whole model: the
+        personal part trains the personal copy, the shared part the global one, and `all` is not defined.
+        """
         k = len(self.clients)
         batched_shared = shared if per_client_shared else {n: v.expand(k, *v.shape) for n, v in shared.items()}
         if train == "personal":
-            return dict(self.personal), (batched_shared if per_client_shared else {}), (
+            trainable, frozen, fixed = dict(self.personal), (batched_shared if per_client_shared else {}), (
                 {} if per_client_shared else dict(shared))
-        if train == "shared":
-            return dict(batched_shared), dict(self.personal), {}
-        return {**batched_shared, **self.personal}, {}, {}
+        elif train == "shared":
+            trainable, frozen, fixed = dict(batched_shared), dict(self.personal), {}
+        elif set(shared) & set(self.personal):
+            raise ValueError("a personal copy has no joint `all` part: train `personal` or `shared`")
+        else:
+            trainable, frozen, fixed = {**batched_shared, **self.personal}, {}, {}
+        return (trainable, {n: v for n, v in frozen.items() if n not in trainable},
+                {n: v for n, v in fixed.items() if n not in trainable})
 
     def _rule(self, trainable: Params, lr, prox: float, reference: Params | None) -> StepRule:
         local = self.work.local

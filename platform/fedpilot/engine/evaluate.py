@@ -75,7 +75,7 @@ def _scores(module: nn.Module, personal: Params, fixed: Params, source: torch.Te
     xb, yb = source[idx], labels[idx]
 
     def forward(params: Params, inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(module, {**params, **fixed}, (inputs,))
+        return functional_call(module, {**fixed, **params}, (inputs,))  # a personal copy wins over the global
 
     if choose_execution(execution, module, source.device) == "vmap" or not personal:
         logits = vmap(forward, in_dims=(0 if personal else None, 0))(personal, xb)

@@ -49,7 +49,8 @@ class FederatedStage(L.LightningModule):
         self.seed, self.stage_index = seed, stage_index
         params = dict(model.named_parameters())
         self.personal_names = list(personal_names)
-        self.shared_names = [n for n in params if n not in set(personal_names)]
+        copy = getattr(algorithm, "personal_copy", False)  # every parameter both global and personal (Ditto)
+        self.shared_names = [n for n in params if copy or n not in set(personal_names)]
         self.register_buffer("_no_shared", torch.zeros(0))
         init = {n: params[n].detach().clone() for n in self.personal_names}
         self.personal_init = ClientBank({n: v.unsqueeze(0) for n, v in init.items()})

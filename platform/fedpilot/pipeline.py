@@ -188,6 +188,7 @@ class PipelineRunner:
         for i, stage in enumerate(spec.stages):
             split, dim = stage_split(spec, stage, self.algorithms[i].personal_part)
             try:
+                self.algorithms[i].prepare_model(probe, self.data.feature_shape)
                 apply_split(probe, split, dim)
             except SpecError as err:
                 raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
@@ -230,7 +231,8 @@ class PipelineRunner:
         for i, stage_spec in enumerate(spec.stages):
             algorithm = self.algorithms[i]
             split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
-            torch.manual_seed(spec.seed * 1000 + i)  # adapters inserted for this stage start the same every run
+            torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
+            algorithm.prepare_model(self.model, self.data.feature_shape)
             split = apply_split(self.model, split_spec, dim)
             key = stage_key(key, self.data, spec, i, split_spec, self.device.type)
             config = stage_spec.engine_config(spec.evaluation.every)
@@ -323,6 +325,11 @@ class PipelineRunner:
         clients: dict[str, Any] = {"client": list(range(data.n_clients)), "name": list(data.client_names)}
         clients.update({f"{s}_samples": data.sizes[s].tolist() for s in ("train", *SPLITS)})
         clients.update({f"{s}_{m}": stage.client_metrics[s][m].tolist() for s in SPLITS for m in ("acc", "loss")})
+        for state in stage.state_bank.names:
+            values = stage.state_bank.tensor(state)
+            if values.dim() == 1:  # per-client scalars of the algorithm (pFedGate densities, Self-FL steps)
+                clients[state] = values.tolist()
+                memory[f"{state}_mean"], memory[f"{state}_max"] = float(values.mean()), float(values.max())
         previous = None
         if before is not None:
             previous_acc = {s: before.client_metrics[s]["acc"].numpy() for s in SPLITS}

@@ -49,6 +49,10 @@ class Algorithm(ABC):
 
     aggregator = WeightedMean
 
+    def prepare_model(self, model: torch.nn.Module, input_shape: tuple[int, ...]) -> None:
+        """Add what the algorithm needs to the model before the stage's split is applied (pFedGate's gate)."""
+        return None
+
     def client_state(self) -> dict[str, torch.Tensor]:
         """Initial per-client state beyond parameters (e.g. Self-FL's variances), without the client dimension;
         the engine keeps a [n_clients, ...] bank of it, checkpointed, and hands a cohort its rows as `cohort.state`."""

@@ -1,0 +1,103 @@
+"""PFLEGO: a round is the exact SGD step on L = sum_i alpha_i l_i of Algorithm 1; engine paths agree; bad params."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from torch.func import functional_call
+
+from engine_fixtures import TinyMLP, ToyData, fit
+from fedpilot.algorithms import build_algorithm
+from fedpilot.algorithms.pflego import Pflego
+from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
+
+FULL_BATCH = LocalConfig(batch_size=64, lr=0.1)  # > every ToyData client's train set: each step is full-batch GD
+RHO = 0.3
+
+
+def client_loss(params: dict, data: ToyData, i: int) -> torch.Tensor:
+    """l_i: mean cross-entropy over client i's whole train set."""
+    lo, n = int(data.offsets["train"][i]), int(data.sizes["train"][i])
+    return F.cross_entropy(functional_call(TinyMLP(), params, (data.x[lo : lo + n],)), data.y[lo : lo + n])
+
+
+def expected_round(start: dict, data: ToyData, sampled: list[int], tau: int, beta: float) -> tuple[dict, dict]:
+    """Algorithm 1 by hand: (theta after the server step, every client's head) from autograd on l_i."""
+    body = {n: v for n, v in start.items() if n not in HEAD}
+    alpha = data.sizes["train"].double() / data.sizes["train"].sum()
+    unbiased = data.n_clients / len(sampled)
+    heads = {n: start[n].expand(data.n_clients, *start[n].shape).clone() for n in HEAD}
+    theta_grad = {n: torch.zeros_like(v) for n, v in body.items()}
+    for i in sampled:
+        head = {n: heads[n][i].clone().requires_grad_() for n in HEAD}
+        for _ in range(tau - 1):
+            grads = torch.autograd.grad(client_loss({**body, **head}, data, i), list(head.values()))
+            head = {n: (w - beta * g).detach().requires_grad_() for (n, w), g in zip(head.items(), grads, strict=True)}
+        theta = {n: v.clone().requires_grad_() for n, v in body.items()}
+        grads = torch.autograd.grad(client_loss({**theta, **head}, data, i), [*theta.values(), *head.values()])
+        scale = float(alpha[i]) * unbiased
+        for (n, _), g in zip(theta.items(), grads[: len(theta)], strict=True):
+            theta_grad[n] += scale * g
+        for (n, w), g in zip(head.items(), grads[len(theta) :], strict=True):
+            heads[n][i] = (w - RHO * scale * g).detach()
+    return {n: v - RHO * theta_grad[n] for n, v in body.items()}, heads
+
+
+def one_round(params: dict, clients_per_round: int | None) -> tuple[FederatedStage, dict]:
+    """A one-round PFLEGO stage (server sgd with lr rho) and the model's starting parameters."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = StageConfig(rounds=1, clients_per_round=clients_per_round, local=FULL_BATCH, server={"lr": RHO})
+    stage = FederatedStage(model, HEAD, ToyData(), build_algorithm("pflego", {"rho": RHO, **params}), cfg)
+    fit(stage)
+    return stage, start
+
+
+def assert_round(stage: FederatedStage, expected: tuple[dict, dict]) -> None:
+    theta = {n: p.detach() for n, p in stage.model.named_parameters() if n not in HEAD}
+    assert_close(theta, expected[0])
+    assert_close({n: stage.bank.tensor(n) for n in HEAD}, expected[1])
+
+
+def test_tau_1_with_full_participation_is_one_sgd_step_on_the_global_loss():
+    """alpha_i weights the body AND the head gradients (Eq. 5; unequal client sizes make it matter)."""
+    stage, start = one_round({"tau": 1}, None)
+    data = ToyData()
+    assert len(set(data.sizes["train"].tolist())) > 1
+    body = {n: v.clone().requires_grad_() for n, v in start.items() if n not in HEAD}
+    heads = [{n: start[n].clone().requires_grad_() for n in HEAD} for _ in range(data.n_clients)]
+    alpha = data.sizes["train"].float() / data.sizes["train"].sum()
+    total = sum(alpha[i] * client_loss({**body, **heads[i]}, data, i) for i in range(data.n_clients))
+    total.backward()
+    theta = {n: v.detach() - RHO * v.grad for n, v in body.items()}
+    bank = {n: torch.stack([h[n].detach() - RHO * h[n].grad for h in heads]) for n in HEAD}
+    assert_round(stage, (theta, bank))
+
+
+def test_partial_participation_follows_algorithm_1_with_head_steps_and_the_unbiased_sum():
+    stage, start = one_round({"tau": 3, "beta": 0.5}, 5)
+    sampled = stage.sample_cohort(0).tolist()
+    assert len(sampled) == 5
+    assert_round(stage, expected_round(start, ToyData(), sampled, tau=3, beta=0.5))
+
+
+@pytest.mark.parametrize(("personal", "params"), [(HEAD, {"tau": 3}), (HEAD, {"tau": 1, "rho": 0.2}),
+                                                  (INPUT, {"tau": 2, "beta": 0.05})])
+def test_vmap_and_loop_match_sequential(personal, params):
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
+    reference = run_stage(Pflego(params), personal, {}, "sequential", 1, local)
+    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+        got = run_stage(Pflego(params), personal, {}, execution, chunk, local)
+        assert_close(got[0], reference[0])
+        assert_close(got[1], reference[1])
+
+
+@pytest.mark.parametrize(("params", "key"), [({"tau": 0}, "tau"), ({"beta": 0.0}, "beta"), ({"rho": -1.0}, "rho"),
+                                             ({"alpha": 0.1}, "alpha")])
+def test_bad_params_are_refused_by_name(params, key):
+    with pytest.raises(ValidationError, match=key):
+        build_algorithm("pflego", params)

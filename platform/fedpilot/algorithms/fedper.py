@@ -1,0 +1,26 @@
+"""FedPer: Arivazhagan et al. 2019, "Federated Learning with Personalization Layers" (a baseline of paper 001).
+
+The model is split into base layers, shared and averaged by the server as in FedAvg, and personalization
+layers (the last ones), kept by each client. Every local SGD step updates both at the same point on the same
+minibatch, which is exactly FedSim's update order (paper 000, LocalSim), so FedPer is FedSim under its own
+name; the split is the pipeline's `personalization` (FedPer's is the head: `output_layer`).
+
+Choices: the personal and shared learning rates default to the stage's local.lr (FedPer uses one client lr);
+the server averages the base layers weighted by N_i (FedAvg's rule, as in the FedPer paper).
+"""
+
+from __future__ import annotations
+
+from fedpilot.algorithms.fedsim import FedSim, FedSimParams
+
+
+class FedPerParams(FedSimParams):
+    """tau: local steps (null = the stage's local budget, FedPer's E epochs); lr_v / lr_u: personal / shared
+    client lr (null = local.lr); stateful: personalization layers persist across rounds (FedPer: yes)."""
+
+
+class FedPer(FedSim):
+    """Base and personalization layers trained together each round; base layers averaged, head kept."""
+
+    name = "fedper"
+    Params = FedPerParams

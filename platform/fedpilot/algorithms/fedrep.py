@@ -1,0 +1,41 @@
+"""FedRep: Collins et al. 2021, "Exploiting Shared Representations for Personalized FL" (a baseline of paper 001).
+
+Algorithm 1 of Collins et al.: each sampled client first trains its head for many local epochs with the
+representation (body) frozen, then the body for a few epochs with its new head frozen, keeps the head and
+sends the body; the server averages the bodies. This is FedAlt's update order (paper 000, LocalAlt) with
+epoch budgets instead of step counts, so it is its own short module rather than a FedAlt parameterisation.
+
+Choices: head_epochs = 10 and body_epochs = 1 as in the FedRep experiments (the stage's local epochs/steps are
+not used; batch size and lr are the stage's); the server averages the bodies weighted by N_i (the FedRep
+code and FedAvg's rule; Algorithm 1's text writes a uniform mean); the head phase runs on the frozen body's
+features, computed once per round (the engine's head-only path).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedpilot.algorithms.base import Algorithm, AlgorithmParams
+from fedpilot.engine import Cohort, Upload
+
+
+class FedRepParams(AlgorithmParams):
+    """head_epochs / body_epochs: local epochs of the head phase (body frozen) and of the body phase (head frozen);
+    lr_head / lr_body: their lrs (null = the stage's local.lr); stateful: heads persist across rounds."""
+
+    head_epochs: float = Field(10.0, gt=0)
+    body_epochs: float = Field(1.0, gt=0)
+    lr_head: float | None = Field(None, gt=0)
+    lr_body: float | None = Field(None, gt=0)
+    stateful: bool = True
+
+
+class FedRep(Algorithm):
+    """Head for head_epochs with the body frozen, then the body for body_epochs with the new head; send the body."""
+
+    name = "fedrep"
+    Params = FedRepParams
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        cohort.personal = cohort.sgd("personal", lr=self.p.lr_head, epochs=self.p.head_epochs).personal
+        return Upload(shared=cohort.sgd("shared", lr=self.p.lr_body, epochs=self.p.body_epochs).shared)

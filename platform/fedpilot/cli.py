@@ -113,8 +113,11 @@ def run(
         runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress)
     except SpecError as err:
         fail(err)
+    if runner.rank > 0:  # a DDP process Lightning started for `devices` > 1: it trains, rank 0 reports
+        runner.follow(resume)
+        return
     typer.echo(f"pipeline {spec.name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
-               f"{runner.device.type}, tracking {runner.uri}")
+               f"{runner.device.type} x{spec.devices}, tracking {runner.uri}")
     result = runner.run(resume=resume)
     typer.echo("")
     typer.echo(format_outcomes(result.stages))

@@ -29,7 +29,9 @@ import lightning as L
 import numpy as np
 import psutil
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.algorithms import build_algorithm
@@ -37,6 +39,7 @@ from fedpilot.data import FederatedData, build_federated_data
 from fedpilot.data.federated import cache_root
 from fedpilot.data.summary import describe
 from fedpilot.engine import FederatedStage, carry_bank
+from fedpilot.engine.aggregate import splits_across_processes
 from fedpilot.engine.metrics import distribution
 from fedpilot.errors import SpecError
 from fedpilot.models import ParamSplit, apply_split, build_model
@@ -120,6 +123,18 @@ def resolve_device(requested: str) -> torch.device:
                         else "cpu")
 
 
+def check_devices(spec: PipelineSpec, device: torch.device, algorithms: list[Any]) -> None:
+    """`devices` > 1 (DDP) needs that many GPUs on a GPU, and stages whose server aggregate is made of sums."""
+    if spec.devices == 1:
+        return
+    if device.type == "cuda" and spec.devices > torch.cuda.device_count():
+        raise SpecError("devices", spec.devices, f"only {torch.cuda.device_count()} CUDA devices are visible here")
+    for i, algorithm in enumerate(algorithms):
+        if not splits_across_processes(algorithm):
+            raise SpecError(f"stages.{i}.algorithm", spec.stages[i].algorithm, "its server keeps every client's "
+                            "upload, so its rounds cannot be split across devices; run this pipeline with devices: 1")
+
+
 def stage_split(spec: PipelineSpec, stage: StageSpec, algorithm_part: str | None) -> tuple[str | list[str], int]:
     """(split, adapter_dim) of a stage: the algorithm's own part, else the stage's, else the pipeline's."""
     chosen = stage.personalization or spec.personalization
@@ -184,6 +199,7 @@ class PipelineRunner:
                                  **spec.model.options)
         self.algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm")
                            for i, s in enumerate(spec.stages)]
+        check_devices(spec, self.device, self.algorithms)
         probe = copy.deepcopy(self.model)
         for i, stage in enumerate(spec.stages):
             split, dim = stage_split(spec, stage, self.algorithms[i].personal_part)
@@ -197,6 +213,7 @@ class PipelineRunner:
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
         self.rounds_trained = 0
+        self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
 
     # ---- the pipeline --------------------------------------------------------------------------------------
     def run(self, resume: str | None = None, parent: str | None = None,
@@ -226,18 +243,47 @@ class PipelineRunner:
             raise
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
+    def follow(self, resume: str | None = None) -> None:
+        """What a DDP process other than rank 0 runs (Lightning starts them at the first stage trained with
+        `devices` > 1, re-running the same command): the same stages in the same order, training each with rank 0
+        (every process takes a slice of each cohort). It records nothing: the MLflow runs, the stage cache and
+        the checkpoints are rank 0's."""
+        previous_runs = self.tracker.stage_runs(resume) if resume else {}
+        key, before = "", None
+        for i in range(len(self.spec.stages)):
+            stage, _, key = self._stage(i, key, before)
+            cached = self.cache.load(key)
+            if cached is not None:
+                stage.load_state_dict(cached["state"])
+            else:
+                last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
+                resuming = i in previous_runs and last is not None and last.is_file()
+                trainer = self._trainer(stage, self.root / "runs", [])  # saving goes to rank 0's folder
+                trainer.fit(stage, ckpt_path=str(last) if resuming else None)
+            before = stage
+
+    def _checkpoints(self, parent: str, index: int) -> Path:
+        """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains."""
+        return self.root / "runs" / parent / f"{index}-{self.spec.stages[index].name}"
+
+    def _stage(self, i: int, key: str, before: FederatedStage | None) -> tuple[FederatedStage, ParamSplit, str]:
+        """Stage i on the model as the previous stages left it: the algorithm's additions, its split, its cache key
+        (chained to the previous stage's `key`) and its starting personal bank (from `before`)."""
+        spec, stage_spec, algorithm = self.spec, self.spec.stages[i], self.algorithms[i]
+        split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
+        torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
+        algorithm.prepare_model(self.model, self.data.feature_shape)
+        split = apply_split(self.model, split_spec, dim)
+        key = stage_key(key, self.data, spec, i, split_spec, self.device.type)
+        config = stage_spec.engine_config(spec.evaluation.every)
+        bank = carry_bank(before, split.personal_names) if before is not None else None
+        stage = FederatedStage(self.model, split.personal_names, self.data, algorithm, config, spec.seed, i, bank)
+        return stage, split, key
+
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
         spec, key, before, outcomes, offset = self.spec, "", None, [], 0
         for i, stage_spec in enumerate(spec.stages):
-            algorithm = self.algorithms[i]
-            split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
-            torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
-            algorithm.prepare_model(self.model, self.data.feature_shape)
-            split = apply_split(self.model, split_spec, dim)
-            key = stage_key(key, self.data, spec, i, split_spec, self.device.type)
-            config = stage_spec.engine_config(spec.evaluation.every)
-            bank = carry_bank(before, split.personal_names) if before is not None else None
-            stage = FederatedStage(self.model, split.personal_names, self.data, algorithm, config, spec.seed, i, bank)
+            stage, split, key = self._stage(i, key, before)
             earlier = previous_runs.get(i)
             cached = self.cache.load(key)
             if cached is not None:
@@ -257,11 +303,14 @@ class PipelineRunner:
     def _train(self, parent: str, index: int, run_id: str, stage: FederatedStage, split: ParamSplit, key: str,
                resuming: bool, before: FederatedStage | None, offset: int) -> StageOutcome:
         name = self.spec.stages[index].name
-        checkpoints = self.root / "runs" / parent / f"{index}-{name}"
+        checkpoints = self._checkpoints(parent, index)
         last = checkpoints / "last.ckpt"
         if not resuming:
             self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
-        trainer = self._trainer(stage, run_id, checkpoints, f"[{index + 1}/{len(self.spec.stages)}] {name}", offset)
+        callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset)]
+        if self.progress:
+            callbacks.append(RoundProgress(f"[{index + 1}/{len(self.spec.stages)}] {name}"))
+        trainer = self._trainer(stage, checkpoints, callbacks)
         try:
             with PeakMemory(self.device) as memory:
                 trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
@@ -291,17 +340,15 @@ class PipelineRunner:
         self.tracker.log_history(run_id, stage.history)
         return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
 
-    def _trainer(self, stage: FederatedStage, run_id: str, checkpoints: Path, label: str, offset: int) -> L.Trainer:
+    def _trainer(self, stage: FederatedStage, checkpoints: Path, callbacks: list[Callback]) -> L.Trainer:
+        """The stage's Trainer: checkpoints every `eval_every` rounds; DDP over `devices` processes when > 1."""
         every = stage.config.eval_every
-        callbacks: list[Any] = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset),
-                                ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0,
-                                                every_n_train_steps=every)]
-        if self.progress:
-            callbacks.append(RoundProgress(label))
-        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=1,
-                         logger=False, callbacks=callbacks, enable_progress_bar=self.progress,
-                         enable_model_summary=False,
-                         default_root_dir=checkpoints)
+        saving = ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0, every_n_train_steps=every)
+        devices = self.spec.devices
+        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices,
+                         strategy=DDPStrategy(forward_sync_buffers=False) if devices > 1 else "auto",
+                         logger=False, callbacks=[*callbacks, saving], enable_progress_bar=self.progress,
+                         enable_model_summary=False, default_root_dir=checkpoints)
 
     def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,
                 before: FederatedStage | None, log: bool = True) -> StageOutcome:

@@ -248,6 +248,7 @@ class PipelineSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int = Field(1, ge=1)  # > 1: Lightning DDP, each round's cohort split across that many GPUs (or CPU processes)
     dataset: DatasetSpec
     model: ModelSpec
     personalization: PersonalizationSpec = Field(default_factory=PersonalizationSpec)

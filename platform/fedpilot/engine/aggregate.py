@@ -1,8 +1,11 @@
-"""Server-side combination of client uploads into one pseudo-gradient, chunk by chunk."""
+"""Server-side combination of client uploads into one pseudo-gradient, chunk by chunk (and process by process)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from fedpilot.engine.cohort import Upload
 from fedpilot.engine.local import Params
@@ -12,7 +15,9 @@ class WeightedMean:
     """Weighted mean of client deltas (broadcast - new shared) or gradients, streamed over chunks.
 
     With a mask, each entry is averaged over the clients that sent it (per-index aggregation);
-    an entry nobody sent gets a zero pseudo-gradient.
+    an entry nobody sent gets a zero pseudo-gradient. The state is sums, so DDP processes that each aggregated
+    a slice of the cohort combine by `all_reduce`; a subclass whose `result` is not a function of these sums
+    must not inherit it.
     """
 
     def __init__(self) -> None:
@@ -40,3 +45,32 @@ class WeightedMean:
 
     def result(self) -> Params:
         return {n: t / torch.as_tensor(self.weight[n]).clamp_min(1e-12) for n, t in self.total.items()}
+
+    def all_reduce(self, broadcast: Params, device: torch.device) -> None:
+        """Sum the totals, weights and upload bytes of every DDP process into each, so that `result()` is the
+        whole cohort's everywhere. Weights are expanded to their parameter's shape (a process may hold none)."""
+        names = list(broadcast)
+        counts = [float(name in self.total) for name in names] + [float(self.upload_bytes)]
+        sent = torch.tensor(counts, dtype=torch.float64, device=device)
+        dist.all_reduce(sent)
+        self.upload_bytes = int(sent[-1])
+        for i, name in enumerate(names):
+            if sent[i] == 0:  # no process got this parameter from any client
+                continue
+            total = self.total.get(name, torch.zeros_like(broadcast[name]))
+            weight = torch.as_tensor(self.weight.get(name, 0.0), dtype=total.dtype, device=total.device)
+            weight = weight.expand_as(total).contiguous()
+            dist.all_reduce(total)
+            dist.all_reduce(weight)
+            self.total[name], self.weight[name] = total, weight
+
+
+def new_aggregate(algorithm: Any) -> Any:
+    """A fresh server-side aggregate for one round: the algorithm's `aggregator`, else a WeightedMean."""
+    return getattr(algorithm, "aggregator", WeightedMean)()
+
+
+def splits_across_processes(algorithm: Any) -> bool:
+    """Whether the algorithm's aggregate is made of sums that DDP processes can all-reduce (a cohort split across
+    devices); an aggregate that keeps every upload (robust rules, precision weights) runs in one process."""
+    return hasattr(new_aggregate(algorithm), "all_reduce")

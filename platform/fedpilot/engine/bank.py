@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fedpilot.engine.local import Params
@@ -30,6 +31,15 @@ class ClientBank(nn.Module):
     def put(self, clients: torch.Tensor, values: Params) -> None:
         for n in self.names:
             self.tensor(n)[clients] = values[n].detach().to(self.tensor(n).dtype)
+
+    def share_rows(self, clients: torch.Tensor, mine: slice) -> None:
+        """DDP: this process updated the rows `clients[mine]`, the others the rest of `clients`; afterwards every
+        process holds all of them (a sum over processes of disjoint rows, exact)."""
+        for n in self.names:
+            rows = torch.zeros_like(self.tensor(n)[clients])
+            rows[mine] = self.tensor(n)[clients[mine]]
+            dist.all_reduce(rows)
+            self.tensor(n)[clients] = rows
 
     def nbytes(self) -> int:
         return sum(self.tensor(n).numel() * self.tensor(n).element_size() for n in self.names)

@@ -9,10 +9,11 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from fedpilot.engine.aggregate import WeightedMean
+from fedpilot.engine.aggregate import new_aggregate, splits_across_processes
 from fedpilot.engine.bank import ClientBank
 from fedpilot.engine.batches import round_generator
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -85,6 +86,9 @@ class FederatedStage(L.LightningModule):
         return torch.optim.SGD(params, lr=server.lr, momentum=server.momentum)
 
     def setup(self, stage: str) -> None:
+        if distributed() and not splits_across_processes(self.algorithm):
+            raise ValueError(f"{self.hparams['algorithm']}: its server keeps every client's upload, so a round cannot "
+                             f"be split across {dist.get_world_size()} processes; run it with devices: 1")
         self.data = self.data.to(self.device)
 
     def training_step(self, batch: int, batch_idx: int) -> None:
@@ -134,16 +138,22 @@ class FederatedStage(L.LightningModule):
                          personal_names=self.personal_names)
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
-        """Local work of the whole cohort (in chunks), aggregation, one server optimizer step."""
+        """Local work of the whole cohort (in chunks), aggregation, one server optimizer step.
+
+        Under DDP every process samples the same cohort and trains its slice of it (`process_rows`); the
+        aggregate's sums, the slice's bank rows and the training stats are then all-reduced, so every process
+        takes the same server step and ends the round with the same parameters and banks.
+        """
         clients = self.sample_cohort(round_idx).to(self.device)
         work, shared = self.round_work(round_idx), self.shared_params()
         init = {n: self.personal_init.tensor(n)[0] for n in self.personal_names}
         stateful = getattr(self.algorithm, "stateful", True)
-        aggregate = getattr(self.algorithm, "aggregator", WeightedMean)()
+        aggregate = new_aggregate(self.algorithm)
         chunk = chunk or self.config.max_parallel_clients
+        mine = process_rows(len(clients))
         loss = acc = steps = 0.0
-        for lo in range(0, len(clients), chunk):
-            rows = slice(lo, min(lo + chunk, len(clients)))
+        for lo in range(mine.start, mine.stop, chunk):
+            rows = slice(lo, min(lo + chunk, mine.stop))
             ids = clients[rows]
             personal = self.bank.get(ids) if stateful else {
                 n: v.expand(len(ids), *v.shape) for n, v in init.items()}
@@ -157,11 +167,24 @@ class FederatedStage(L.LightningModule):
             loss += float(cohort.stats.loss.sum())
             acc += float(cohort.stats.acc.sum())
             steps += float(cohort.stats.steps.sum())
+        if distributed():
+            loss, acc, steps = self.share_round(clients, mine, aggregate, shared, stateful, [loss, acc, steps])
         self.server_step(aggregate.result())
         up = aggregate.upload_bytes
         return {"train_loss": loss / max(steps, 1.0), "train_acc": acc / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
+
+    def share_round(self, clients: torch.Tensor, mine: slice, aggregate: Any, shared: Params, stateful: bool,
+                    sums: list[float]) -> list[float]:
+        """DDP: the whole cohort's aggregate and bank rows on every process; the training-stat `sums`, all-reduced."""
+        aggregate.all_reduce(shared, self.device)
+        if stateful:
+            self.bank.share_rows(clients, mine)
+        self.state_bank.share_rows(clients, mine)
+        totals = torch.tensor(sums, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return totals.tolist()
 
     def server_step(self, pseudo_grad: Params) -> None:
         """The aggregate becomes the gradient of the shared parameters; the server optimizer steps."""
@@ -194,6 +217,19 @@ class FederatedStage(L.LightningModule):
             self.history.append({"round": round_idx, "split": split, **summary})
         self.client_metrics.update(results)
         return results
+
+
+def distributed() -> bool:
+    """Whether this process is one of several DDP processes sharing each round."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def process_rows(n: int) -> slice:
+    """The rows of an n-client cohort this process trains: all of them, or under DDP its contiguous share."""
+    if not distributed():
+        return slice(0, n)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return slice(rank * n // world, (rank + 1) * n // world)
 
 
 def carry_bank(previous: FederatedStage, personal_names: list[str]) -> Params:

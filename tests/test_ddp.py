@@ -1,0 +1,97 @@
+"""One experiment over several processes (Lightning DDP, 2 CPU processes on gloo) trains like one process.
+
+Every process samples the same cohort, trains its slice, and the aggregate's sums, bank rows and training stats
+are all-reduced: parameters, banks and metrics must equal the single-process run within float tolerance (the
+sums are added in another order). Upload bytes must be equal exactly: a slice counted twice would show there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from ddp_cases import CASES, train_cases
+from fedpilot.algorithms import build_algorithm
+from fedpilot.engine import Upload
+from fedpilot.errors import SpecError
+from fedpilot.pipeline import PipelineRunner, check_devices
+from fedpilot.spec import load_pipeline
+from pipeline_fixtures import SMALL, run_id_of, write_pipeline
+
+HERE = Path(__file__).parent
+
+
+def assert_states_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=f"{what}: {name}")
+
+
+def test_two_ddp_processes_train_each_algorithm_like_one(tmp_path):
+    out = tmp_path / "ddp.pt"
+    proc = subprocess.run([sys.executable, str(HERE / "ddp_cases.py"), "2", str(out)], capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # Lightning started the second process
+    split, single = torch.load(out, weights_only=False), train_cases(1)
+    for name in CASES:
+        assert_states_close(split[name]["state"], single[name]["state"], name)
+        assert split[name]["comm_bytes"] == single[name]["comm_bytes"], name
+        assert split[name]["train"] == pytest.approx(single[name]["train"], rel=1e-5), name
+        assert len(split[name]["history"]) == len(single[name]["history"]) > 0
+        for got, want in zip(split[name]["history"], single[name]["history"], strict=True):
+            assert got.pop("split") == want.pop("split")
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), name
+
+
+def test_fedpilot_run_on_two_devices_records_once_and_equals_one_device(workdir):
+    path = write_pipeline(workdir, {**SMALL, "device": "cpu"})
+    single = PipelineRunner(load_pipeline(path, []), cache_dir=workdir / "one", progress=False).run()
+    uri = f"sqlite:///{workdir}/ddp.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "FEDPILOT_CACHE": str(workdir / "two")}
+    proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", "run", str(path), "devices=2", "--no-progress"],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("run_id: ") == 1 and "device cpu x2" in proc.stdout  # rank 1 printed nothing
+    client = MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 4  # rank 0 alone recorded: one pipeline run, three stage runs
+    parent = client.get_run(run_id_of(proc.stdout))
+    assert parent.data.params["devices"] == "2" and parent.info.status == "FINISHED"
+    stages = {r.data.tags["fedpilot.stage"]: r for r in runs if "fedpilot.stage" in r.data.tags}
+    for outcome in single.stages:
+        metrics = stages[outcome.name].data.metrics
+        for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted"):
+            assert metrics[key] == pytest.approx(outcome.metrics[key], abs=1e-6), (outcome.name, key)
+    # devices is not part of the stage cache key: the same stages, with equal states
+    one, two = sorted((workdir / "one" / "stages").glob("*.pt")), sorted((workdir / "two" / "stages").glob("*.pt"))
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 3
+    for a, b in zip(one, two, strict=True):
+        assert_states_close(torch.load(b, weights_only=False)["state"], torch.load(a, weights_only=False)["state"],
+                            a.name)
+
+
+class KeepsUploads:
+    """A server that keeps every client's upload (as a robust median or precision weighting does): no sums."""
+
+    class aggregator:  # the engine makes one per round: `algorithm.aggregator()`
+        def __init__(self) -> None:
+            self.uploads: list[Upload] = []
+
+
+def test_devices_are_refused_where_a_round_cannot_be_split(workdir):
+    spec = load_pipeline(write_pipeline(workdir), ["devices=2"])
+    with pytest.raises(SpecError, match=r"stages\.1\.algorithm.*cannot be split across devices"):
+        check_devices(spec, torch.device("cpu"), [build_algorithm("fedavg"), KeepsUploads()])
+    check_devices(spec, torch.device("cpu"), [build_algorithm(s.algorithm, s.params) for s in spec.stages])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SpecError, match=r"devices.*CUDA devices are visible"):
+            check_devices(spec, torch.device("cuda"), [])
+    with pytest.raises(SpecError, match="devices"):
+        load_pipeline(write_pipeline(workdir), ["devices=0"])

@@ -1,0 +1,247 @@
+"""Self-FL: self-aware personalized FL (paper 002), Algorithm 1 (`selffl`) and Algorithm 2 (`selffl_aug`).
+
+Two-level Gaussian model: theta_m ~ N(theta_0, s0) across clients, client m's local optimum z_m ~ N(theta_m,
+s_m). With precisions w_k = (s0 + s_k)^-1, P = sum_k w_k and W_-m = P - w_m (the other clients'), the FL
+posterior mean of theta_m is theta_m^FL = (z_m / s_m + sum_{k!=m} w_k z_k) / (1 / s_m + W_-m) (Eq. 3, proof
+Eq. 28). One round for each sampled client m, given the global model theta and the broadcast (s0, P):
+
+  init   theta_m^INIT = theta - (w_m / W_-m) (theta_m - theta)                        (Eq. 10)
+  steps  l_m: (1 - eta / s_m)^l_m = W_-m / (1 / s_m + W_-m), rounded, in [1, l_max]   (Eq. 8, App. D Eq. 16)
+  train  l_m SGD steps of the personal copy from theta_m^INIT (the stage's local.lr and batch_size)
+  server s0 = trace of the empirical variance of the round's personal models (Eq. 14);
+         theta_hat = sum_m w_m theta_m / sum_m w_m over the round's clients (Eq. 11);
+         theta <- (1 - C) theta + C theta_hat, C = clients per round / clients (the smoothing of Sec. 4.1)
+  s_m    trace of the empirical variance of client m's own personal models over its activations, updated
+         online (App. E, Eq. 19, with the client's own activation counter, Remark E.1).
+
+The text we worked from lost its formulas; the above is reconstructed from the algorithm boxes (Alg. 1, 2),
+the proof of Proposition 3.1 (Eqs. 27-31) and App. D-E, and checked against the closed form on the paper's
+scalar synthetic problem (tests/test_algo_selffl.py). Choices where the paper is open:
+
+* Loss scale in Eq. 8. Eq. 8 is gradient descent on the client's summed negative log-likelihood (Remark 2.2,
+  App. D: s_m = v_m^2 / N_m). The engine's loss is a mean over a batch, so a step eta on it is a step
+  eta / N_m on the sum: Eq. 8 uses eta / N_m, with eta the stage's local.lr (times its schedule) and N_m the
+  client's train size. The stage's local epochs/steps are not used; l_m replaces them.
+* Eq. 8 edge cases. Zero variance (no estimate yet, below) means infinite own precision: the client's target
+  is its local optimum, so it trains l_max steps. 0 < s_m <= eta / N_m: the contraction 1 - eta / s_m is not
+  in (0, 1); one step already reaches the quadratic's optimum, so l_m = 1 (Eq. 8's limit as s_m -> eta / N_m).
+* What the server broadcasts for the other clients' weights: s0 and the total precision P = sum_k w_k over
+  ALL clients, each with its last reported s_k (0 before its first report: the paper's initial s = 0). A
+  client subtracts its own term, W_-m = P - w_m. The server keeps the reported s_k (one scalar per client,
+  `server_state["variance"]`); as the engine draws one batch plan for the whole cohort before cutting it
+  into chunks, every chunk computes the cohort's l_m from that copy, as it stood at the round's start
+  (identical to each client's own s_m, which the tests check).
+* First activation: the client has no personal model of its own yet (its personal copy is the stage's
+  starting model), so it starts from the broadcast (theta_m^INIT = theta) and, with zero variance, trains
+  l_max steps. Its aggregation weight is then 1 / s0.
+* Online variance: after training, the client folds its new personal model into its running mean and
+  variance (Eq. 19, population variance 1/t as in Eq. 18, summed over all entries) and reports s_m with its
+  model: the server weights this round with it (Eq. 13 read as {theta_m^1..theta_m^t}), and at the next
+  activation the same s_m is the variance of its previous personal models (Alg. 2, Eq. 20). A client's first
+  two activations have s_m = 0 (zero and one model seen). s0 is re-estimated only from rounds with >= 2
+  clients (the variance of one model says nothing). A precision is capped at 1 / VARIANCE_FLOOR.
+* Smoothing under client sampling: C = r / M on every round (1 with full participation); `smoothing: false`
+  takes theta_hat as the new global model. The server optimizer must stay sgd, lr 1, momentum 0 (default).
+* The server needs s0 before it can weight the round's models, so the aggregator keeps the round's models
+  (r of them) until every chunk is in, instead of a streamed sum.
+
+Algorithm 2 (`selffl_aug`): after its l_m steps the client continues training a copy for `optimum_steps`
+more steps (the paper's "until convergence", as a fixed budget since the engine draws batches in advance)
+and uses these local optima for its variance (Eq. 20) and the server's s0 (Eq. 22); both models are uploaded
+and the personal models are still the ones aggregated (Eq. 23).
+
+Recorded per client (engine state bank, per-client table and `{state}_mean/_max` metrics): `steps` (its
+last l_m), `variance` (s_m) and `activations`; the running means `mean.NAME` double the per-client memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from fedpilot.algorithms.base import Algorithm, AlgorithmParams
+from fedpilot.engine import Cohort, Upload
+
+Params = dict[str, torch.Tensor]
+VARIANCE_FLOOR = 1e-12
+
+
+# ---- the paper's formulas, on [K, ...] tensors ------------------------------------------------------------
+def precision(variance: torch.Tensor, sigma0_sq: float) -> torch.Tensor:
+    """w = (s0 + s_m)^-1, each client's weight in Eqs. 8, 10 and 11."""
+    return 1.0 / (sigma0_sq + variance.double()).clamp_min(VARIANCE_FLOOR)
+
+
+def local_steps(variance: torch.Tensor, others: torch.Tensor, lr: torch.Tensor, l_max: int) -> torch.Tensor:
+    """Eq. 8: l with (1 - lr / s_m)^l = W_-m / (1 / s_m + W_-m), rounded into [1, l_max]; l_max at zero
+    variance, 1 where lr >= s_m (see the module docstring). `lr` is the step on the summed loss."""
+    variance, others, lr = variance.double(), others.double(), lr.double()
+    exact = torch.log1p(1.0 / (variance * others)) / -torch.log1p(-lr / variance)
+    steps = exact.nan_to_num(posinf=l_max).round().clamp(1, l_max)
+    steps = torch.where(variance <= lr, torch.ones_like(steps), steps)
+    return torch.where(variance <= 0, torch.full_like(steps, l_max), steps).long()
+
+
+def initial_point(personal: Params, broadcast: Params, coefficient: torch.Tensor) -> Params:
+    """Eq. 10: theta - c_m (theta_m - theta) with c_m = w_m / W_-m [K]; c_m = 0 starts from the broadcast."""
+    return {n: broadcast[n] - _rows(coefficient, v) * (v - broadcast[n]) for n, v in personal.items()}
+
+
+def trace_variance(models: Params) -> float:
+    """Eq. 14: the empirical variance (1/K) of K models, summed over all their entries."""
+    k = len(next(iter(models.values())))
+    return float(sum((v - v.mean(0)).pow(2).sum(dtype=torch.float64) for v in models.values()) / k)
+
+
+def precision_mean(models: Params, weights: torch.Tensor) -> Params:
+    """Eq. 11: sum_m w_m theta_m / sum_m w_m."""
+    share = weights / weights.sum()
+    return {n: torch.tensordot(share.to(v.device, v.dtype), v, dims=1) for n, v in models.items()}
+
+
+def welford(count: torch.Tensor, mean: Params, variance: torch.Tensor, value: Params) -> tuple:
+    """Eq. 19: fold one more model into each client's running mean and variance (1/t, summed over entries)."""
+    t = count + 1
+    delta = {n: value[n] - m for n, m in mean.items()}
+    squared = sum(d.flatten(1).pow(2).sum(1, dtype=torch.float64) for d in delta.values())
+    t64 = t.double()
+    variance = (t64 - 1) / t64 * variance.double() + (t64 - 1) / t64.pow(2) * squared
+    mean = {n: m + delta[n] / _rows(t, m) for n, m in mean.items()}
+    return t, mean, variance
+
+
+def _rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A [K] tensor shaped to broadcast over a [K, ...] tensor."""
+    return values.to(like.device, like.dtype).view(-1, *[1] * (like.dim() - 1))
+
+
+# ---- the algorithm ------------------------------------------------------------------------------------------
+@dataclass
+class SelfFLUpload(Upload):
+    """A client's personal model (`shared`) with who sent it, its variance s_m and (Alg. 2) its local optimum."""
+
+    clients: torch.Tensor | None = None
+    variance: torch.Tensor | None = None
+    optimum: Params | None = None
+
+
+class PrecisionMean:
+    """Server side (Eqs. 14, 11 and the smoothing): keeps the round's uploads, then weights them by precision."""
+
+    def __init__(self, algorithm: SelfFL):
+        self.algorithm = algorithm
+        self.uploads: list[SelfFLUpload] = []
+        self.broadcast: Params = {}
+        self.upload_bytes = 0
+
+    def add(self, upload: SelfFLUpload, broadcast: Params, default_weight: torch.Tensor) -> None:
+        self.uploads.append(upload)
+        self.broadcast = broadcast
+        for models in (upload.shared, upload.optimum or {}):
+            self.upload_bytes += sum(v.numel() * v.element_size() for v in models.values())
+        self.upload_bytes += upload.variance.numel() * upload.variance.element_size()
+
+    def result(self) -> Params:
+        models = {n: torch.cat([u.shared[n] for u in self.uploads]) for n in self.broadcast}
+        optima = {n: torch.cat([(u.optimum or u.shared)[n] for u in self.uploads]) for n in self.broadcast}
+        variance = torch.cat([u.variance for u in self.uploads]).cpu()
+        state = self.algorithm.server_state
+        if len(variance) >= 2:
+            state["sigma0_sq"] = trace_variance(optima)
+        target = precision_mean(models, precision(variance, state["sigma0_sq"]))
+        state["variance"][torch.cat([u.clients for u in self.uploads]).cpu()] = variance.double()
+        activity = len(variance) / len(state["variance"]) if self.algorithm.p.smoothing else 1.0
+        return {n: activity * (self.broadcast[n] - target[n]) for n in self.broadcast}
+
+
+class SelfFLParams(AlgorithmParams):
+    """l_max: cap on the local steps of Eq. 8 (paper: 40); smoothing: theta <- (1 - C) theta + C theta_hat."""
+
+    l_max: int = Field(40, ge=1)
+    smoothing: bool = True
+
+
+class SelfFL(Algorithm):
+    """Uncertainty-driven local steps and initialisation of a personal copy per client, precision-weighted server."""
+
+    name = "selffl"
+    Params = SelfFLParams
+    personal_copy = True
+
+    def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
+        super().__init__(params)
+        self.shapes: dict[str, torch.Size] = {}
+
+    @property
+    def personal_part(self) -> str | None:
+        return "all"
+
+    @property
+    def aggregator(self):
+        return partial(PrecisionMean, self)
+
+    def prepare_model(self, model: torch.nn.Module, input_shape: tuple[int, ...]) -> None:
+        """Nothing is added to the model; the parameter shapes size the running means of the client state."""
+        self.shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def client_state(self) -> dict[str, torch.Tensor]:
+        if not self.shapes:
+            raise RuntimeError("Self-FL: call prepare_model(model, input_shape) before building the stage")
+        means = {f"mean.{n}": torch.zeros(shape) for n, shape in self.shapes.items()}
+        zero = torch.zeros(())
+        return {"activations": zero, "variance": zero.double(), "steps": zero, **means}
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        steps, coefficient = self.client_plan(cohort)
+        cohort.personal = initial_point(cohort.personal, cohort.shared, coefficient)
+        trained = cohort.sgd("personal", steps=steps).personal
+        optimum = self.local_optimum(cohort, trained)
+        means = {n: cohort.state[f"mean.{n}"] for n in trained}
+        count, means, variance = welford(cohort.state["activations"], means, cohort.state["variance"],
+                                         optimum if optimum is not None else trained)
+        cohort.personal = trained
+        cohort.state = {"activations": count, "variance": variance, "steps": steps[cohort.rows].float(),
+                        **{f"mean.{n}": m for n, m in means.items()}}
+        return SelfFLUpload(shared=trained, clients=cohort.clients, variance=variance, optimum=optimum)
+
+    def client_plan(self, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
+        """From (s0, P) and the reported variances: l_m of the whole cohort (Eq. 8; the engine's batch plan
+        spans every chunk) and this chunk's Eq. 10 coefficients w_m / W_-m (0 at a first activation)."""
+        state = self.server_state
+        if "variance" not in state:
+            state.update(variance=torch.zeros(cohort.n_clients, dtype=torch.float64), sigma0_sq=0.0)
+        everyone = cohort.cohort_clients.cpu()
+        variance, sigma0_sq = state["variance"][everyone], state["sigma0_sq"]
+        own = precision(variance, sigma0_sq)
+        others = precision(state["variance"], sigma0_sq).sum() - own  # W_-m = P - w_m
+        work = cohort.work
+        lr = work.local.lr * work.lr_factor / work.sizes[cohort.cohort_clients].cpu().double()  # on the summed loss
+        steps = local_steps(variance, others, lr, self.p.l_max)
+        first = cohort.state["activations"].cpu() == 0
+        coefficient = (own / others)[cohort.rows].masked_fill(first, 0.0)
+        return steps, coefficient
+
+    def local_optimum(self, cohort: Cohort, trained: Params) -> Params | None:
+        """Algorithm 1 uses the personal model itself as the surrogate of the local optimum."""
+        return None
+
+
+class SelfFLAugParams(SelfFLParams):
+    """optimum_steps: the extra local steps standing for Algorithm 2's "train until convergence"."""
+
+    optimum_steps: int = Field(100, ge=1)
+
+
+class SelfFLAug(SelfFL):
+    """Algorithm 2 (Augmented Self-FL): variances from a further-trained local optimum per client."""
+
+    name = "selffl_aug"
+    Params = SelfFLAugParams
+
+    def local_optimum(self, cohort: Cohort, trained: Params) -> Params | None:
+        cohort.personal = trained
+        return cohort.sgd("personal", steps=self.p.optimum_steps).personal

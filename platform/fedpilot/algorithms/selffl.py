@@ -103,7 +103,8 @@ def precision_mean(models: Params, weights: torch.Tensor) -> Params:
     return {n: torch.tensordot(share.to(v.device, v.dtype), v, dims=1) for n, v in models.items()}
 
 
-def welford(count: torch.Tensor, mean: Params, variance: torch.Tensor, value: Params) -> tuple:
+def welford(count: torch.Tensor, mean: Params, variance: torch.Tensor,
+            value: Params) -> tuple[torch.Tensor, Params, torch.Tensor]:
     """Eq. 19: fold one more model into each client's running mean and variance (1/t, summed over entries)."""
     t = count + 1
     delta = {n: value[n] - m for n, m in mean.items()}

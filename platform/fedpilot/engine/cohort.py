@@ -11,7 +11,15 @@ from torch.func import functional_call
 
 from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
 from fedpilot.engine.config import LocalConfig
-from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats, choose_execution
+from fedpilot.engine.local import (
+    EXECUTORS,
+    Batches,
+    Params,
+    StepRule,
+    TrainStats,
+    choose_execution,
+    precision_context,
+)
 
 Part = Literal["personal", "shared", "all"]
 
@@ -47,6 +55,7 @@ class RoundWork:
     seed_key: tuple[int, ...]
     executor: str
     personal_names: list[str]
+    precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
 
     def plan(self, cohort_clients: torch.Tensor, phase: int, epochs: float | None, steps) -> BatchPlan:
@@ -125,7 +134,8 @@ class Cohort:
         params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
         work = self.work
         executor = EXECUTORS[choose_execution(work.executor, work.model, work.x.device)]()
-        return executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
+        with precision_context(work.precision, work.x.device):
+            return executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
 
     def _batches(self, plan: BatchPlan) -> Batches:
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
@@ -150,7 +160,8 @@ class Cohort:
         shared = shared if per_client_shared else self.shared
         trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
         rule = self._rule(trainable, lr, prox, reference)
-        trainable = self._run(trainable, frozen, fixed, plan, rule)
+        with precision_context(self.work.precision, self.work.x.device):
+            trainable = self._run(trainable, frozen, fixed, plan, rule)
         k = len(self.clients)
         personal = {n: trainable[n] if train != "shared" and n in trainable else v for n, v in self.personal.items()}
         new_shared = {n: trainable[n] if train != "personal" and n in trainable else (

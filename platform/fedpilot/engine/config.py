@@ -81,3 +81,4 @@ class StageConfig(Strict):
     eval_every: int = Field(10, ge=1)
     max_parallel_clients: int = Field(256, ge=1)
     execution: Literal["auto", "vmap", "loop"] = "auto"
+    precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.engine.local import Params, choose_execution
+from fedpilot.engine.local import Params, choose_execution, for_each_client, precision_context
 
 
 def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,20 @@ def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def evaluate_clients(model: nn.Module, shared: Params, personal_of: Callable[[torch.Tensor], Params],
                      x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                     head_only: bool, execution: str, max_samples: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+                     head_only: bool, execution: str, max_samples: int = 16384,
+                     precision: str = "32-true") -> tuple[torch.Tensor, torch.Tensor]:
     """(accuracy [n_clients], loss [n_clients]) on one split; NaN for a client with no samples there.
 
     When only the head is personal, the shared body runs once over all samples of the split and the
-    personal heads run batched on its features.
+    personal heads run batched on its features. Forward passes run in the stage's `precision`.
     """
+    with precision_context(precision, x.device):
+        return _evaluate(model, shared, personal_of, x, y, offsets, sizes, head_only, execution, max_samples)
+
+
+def _evaluate(model: nn.Module, shared: Params, personal_of: Callable[[torch.Tensor], Params], x: torch.Tensor,
+              y: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, head_only: bool, execution: str,
+              max_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     index = client_major_index(offsets, sizes)
     labels = y[index]
     if head_only:
@@ -74,14 +82,20 @@ def _scores(module: nn.Module, personal: Params, fixed: Params, source: torch.Te
     idx = torch.where(mask, starts[:, None] + pos[None], torch.zeros_like(pos[None]))
     xb, yb = source[idx], labels[idx]
 
-    def forward(params: Params, inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(module, {**fixed, **params}, (inputs,))  # a personal copy wins over the global
+    def forward(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
+        return functional_call(net, {**fixed, **params}, (inputs,))  # a personal copy wins over the global
 
     if choose_execution(execution, module, source.device) == "vmap" or not personal:
         logits = vmap(forward, in_dims=(0 if personal else None, 0))(personal, xb)
     else:
-        logits = torch.stack([forward({n: v[k] for n, v in personal.items()}, xb[k]) for k in range(len(sizes))])
-    losses = F.cross_entropy(logits.flatten(0, -2), yb.flatten(), reduction="none").view(yb.shape)
+        per_client: list[torch.Tensor | None] = [None] * len(sizes)
+
+        def client(k: int, net: nn.Module) -> None:
+            per_client[k] = forward({n: v[k] for n, v in personal.items()}, xb[k], net)
+
+        for_each_client(module, client, len(sizes), source.device)
+        logits = torch.stack(per_client)
+    losses = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten(), reduction="none").view(yb.shape)
     hits = (logits.argmax(-1) == yb).float()
     if yb.dim() > 2:
         losses, hits = losses.flatten(2).mean(2), hits.flatten(2).mean(2)

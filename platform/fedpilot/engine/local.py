@@ -1,13 +1,18 @@
 """Local SGD for many clients at once: the executors and the update rule they share.
 
 Parameters are dicts of tensors with a leading client dimension [K, ...]. An executor runs the steps of a
-batch plan: `VmapExecutor` with torch.func.vmap over clients, `LoopExecutor` one client at a time with eager
-autograd on channels-last tensors (faster for convolutions on CPU, where vmap becomes a slow grouped convolution).
+batch plan: `VmapExecutor` with torch.func.vmap over clients, `LoopExecutor` client by client with eager
+autograd (faster for convolutions on CPU, where vmap becomes a slow grouped convolution), one client per
+CPU core at a time.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -108,22 +113,66 @@ def client_grad(module: nn.Module) -> Callable[..., tuple[Params, tuple[torch.Te
     return grad(loss, has_aux=True)
 
 
-def eager_client_grad(module: nn.Module) -> Callable[..., tuple[Params, tuple[torch.Tensor, torch.Tensor]]]:
-    """`client_grad` with plain autograd, image tensors in channels-last layout (~13% faster conv on CPU)."""
+def eager_client_grad(module: nn.Module, device: torch.device) -> Callable[..., tuple[Params, tuple[torch.Tensor, torch.Tensor]]]:
+    """`client_grad` with plain autograd; image tensors channels-last where that layout is faster (`_channels_last`)."""
+    layout = _channels_last if _prefers_channels_last(device) else (lambda t: t)
 
     def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        leaves = {n: _channels_last(p).detach().requires_grad_() for n, p in trainable.items()}
-        others = {n: _channels_last(p) for n, p in {**frozen, **fixed}.items()}
+        leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
+        others = {n: layout(p) for n, p in {**frozen, **fixed}.items()}
         with torch.enable_grad():
-            value, acc = weighted_loss(functional_call(module, {**leaves, **others}, (_channels_last(x),)), y, w)
+            value, acc = weighted_loss(functional_call(module, {**leaves, **others}, (layout(x),)), y, w)
             grads = torch.autograd.grad(value, list(leaves.values()))
         return dict(zip(leaves, grads, strict=True)), (value.detach(), acc)
 
     return step
 
 
+def _prefers_channels_last(device: torch.device) -> bool:
+    """Channels-last convolutions on GPUs and AVX-512/AMX CPUs (~13% faster there at batch 10); NCHW on AVX2
+    CPUs, where oneDNN's NCHW kernels were ~10% faster for the 2-conv CNN's step (bench/README.md)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return device.type != "cpu" or "AVX512" in capability or "AMX" in capability
+
+
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+
+def precision_context(precision: str, device: torch.device) -> AbstractContextManager:
+    """Lightning's `bf16-mixed`: forward passes under bfloat16 autocast, parameters, gradients and updates in
+    float32; `32-true`: plain float32. Only the clients' forward passes run under it, never the aggregation."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
+def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], clients: int,
+                    device: torch.device) -> None:
+    """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
+
+    A client's step at batch 10 is too small to split over cores: one client per core was 1.4x faster on 2 idle
+    cores and ~9x faster on busy ones, where OpenMP's barriers wait on descheduled threads (bench/README.md).
+    Each client is computed by one thread alone, so the results are the same for any number of threads.
+    Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
+    and the caller's grad mode and autocast state (both thread-local).
+    """
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    if threads == 1:
+        for k in range(clients):
+            run(k, module)
+        return
+    grad = torch.is_grad_enabled()
+    cast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    mine = threading.local()
+
+    def job(k: int) -> None:
+        if not hasattr(mine, "module"):
+            mine.module = copy.deepcopy(module)
+        with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=cast[1], enabled=cast[0]):
+            run(k, mine.module)
+
+    with ThreadPoolExecutor(min(threads, clients), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for done in [pool.submit(job, k) for k in range(clients)]:
+            done.result()
 
 
 class VmapExecutor:
@@ -178,10 +227,12 @@ class LoopExecutor:
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
-        step_grad = eager_client_grad(module)
-        trained = {n: p.clone() for n, p in trainable.items()}
-        for k in range(batches.index.shape[0]):
-            mine = {n: p[k : k + 1] for n, p in trained.items()}
+        device = batches.source.device
+        trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
+
+        def client(k: int, module: nn.Module) -> None:
+            step_grad = eager_client_grad(module, device)
+            mine = {n: p[k : k + 1].clone() for n, p in trainable.items()}  # own version counter, unlike a view
             my_frozen = {n: p[k] for n, p in frozen.items()}
             my_rule = rule.for_client(k, trainable)
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
@@ -192,15 +243,21 @@ class LoopExecutor:
                 stats.loss[k] += loss
                 stats.acc[k] += acc.detach()
                 stats.steps[k] += 1
+            for n, p in mine.items():
+                trained[n][k : k + 1] = p
+
+        for_each_client(module, client, batches.index.shape[0], device)
         return trained
 
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
                   stats: TrainStats) -> Params:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
-        step_grad = eager_client_grad(module)
+        device = batches.source.device
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
-        for k in range(batches.index.shape[0]):
+
+        def client(k: int, module: nn.Module) -> None:
+            step_grad = eager_client_grad(module, device)
             mine, my_frozen = {n: p[k] for n, p in params.items()}, {n: p[k] for n, p in frozen.items()}
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
                 g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.source[batches.index[k, s]],
@@ -211,6 +268,8 @@ class LoopExecutor:
                 stats.loss[k] += loss
                 stats.acc[k] += acc.detach()
                 stats.steps[k] += 1
+
+        for_each_client(module, client, batches.index.shape[0], device)
         return _mean_of_steps(total, count)
 
 

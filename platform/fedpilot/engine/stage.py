@@ -135,7 +135,7 @@ class FederatedStage(L.LightningModule):
                          sizes=data.sizes["train"], local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
                          seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
-                         personal_names=self.personal_names)
+                         personal_names=self.personal_names, precision=self.config.precision)
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
         """Local work of the whole cohort (in chunks), aggregation, one server optimizer step.
@@ -206,7 +206,7 @@ class FederatedStage(L.LightningModule):
         for split in splits:
             acc, loss = evaluate_clients(self.model, self.shared_params(), self.personal_of, self.data.x,
                                          self.data.y, self.data.offsets[split], self.data.sizes[split],
-                                         head_only, self.execution)
+                                         head_only, self.execution, precision=self.config.precision)
             results[split] = {"acc": acc.cpu(), "loss": loss.cpu()}
             weights = self.data.sizes[split].cpu().double()
             summary = {f"{split}_acc_{k}": v for k, v in distribution(acc.cpu(), weights).items()}

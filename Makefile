@@ -26,8 +26,8 @@ lint: install
 test: lint
 	$(BIN)/pytest -q
 
-bench: install
-	$(BIN)/python bench/engine_throughput.py
+bench: install  ## fedpilot vs peers, one table (peers' venvs set up on first use); BENCH_ARGS="--no-peers", "--device cuda"
+	$(BIN)/python bench/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .fedpilot-cache mlruns mlflow.db

@@ -1,75 +1,41 @@
-"""Seconds per round of the engine against the sequential executor, as ratios measured in one process.
+"""fedpilot's scaling on the shared workload (bench/workload.py): seconds per round against clients per round
+(10 to 1000) and against model size, the evaluation of every client, and the fraction of the machine's
+large-GEMM rate each achieves. bench/compare.py runs it after the side-by-side table.
 
-Workloads (issue 3): FedAvg, batch 10, 1 local epoch, 20 train samples per client, on
-  - the MLP (64-200-10) on digits-sized 8x8 inputs,
-  - the 2-conv CNN on 28x28 single-channel inputs (62 classes),
-at 10 / 50 / 200 clients per round; plus the head-only paths (FedAlt with a personal output layer:
-trunk features once per round) and per-client evaluation of every client.
-
-    python bench/engine_throughput.py [--rounds 5] [--clients 10 50 200] [--device cpu]
+    python bench/engine_throughput.py [--device cpu] [--rounds 4] [--warmup 1] [--gemm-gflops G]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import fedpilot.engine.sequential  # noqa: F401  registers the reference executor
-from fedpilot.algorithms import build_algorithm
-from fedpilot.data import FederatedData
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
-from fedpilot.engine.local import choose_execution
-from fedpilot.models import apply_split, build_model
+sys.path.insert(0, str(Path(__file__).resolve().parent / "contenders"))
+from fedpilot_engine import round_times, stage_for  # noqa: E402
+from machine import gemm_gflops  # noqa: E402
+from workload import WORKLOADS, Workload, flops_per_round, median_after_warmup, write_data  # noqa: E402
+
+CLIENTS_PER_ROUND = [10, 50, 200, 1000]
+WIDTHS = {"cnn": [128, 512, 2048], "mlp": [200, 1000, 5000]}
 
 
-def synthetic_clients(n_clients: int, per_client: int, shape: tuple[int, ...], classes: int,
-                      device: torch.device) -> FederatedData:
-    """n_clients x per_client train samples (plus 5 val/test each) of random inputs and labels."""
-    per = per_client + 10
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(n_clients * per, *shape, generator=gen)
-    y = torch.randint(0, classes, (n_clients * per,), generator=gen)
-    start = torch.arange(n_clients) * per
-    full = torch.full((n_clients,), 1, dtype=torch.long)
-    return FederatedData(x=x, y=y, offsets={"train": start, "val": start + per_client, "test": start + per_client + 5},
-                         sizes={"train": full * per_client, "val": full * 5, "test": full * 5},
-                         num_classes=classes, feature_shape=shape,
-                         client_names=[str(i) for i in range(n_clients)], fingerprint="bench").to(device)
+def row(work: Workload, args, gemm: float) -> str:
+    seconds = median_after_warmup(round_times(work, args.rounds, args.device), args.warmup)
+    flops = flops_per_round(work)
+    params = sum(p.numel() for p in stage_for(work, 1).model.parameters())
+    return (f"| {work.model} | {work.width} | {params / 1e6:.2f}M | {work.clients_per_round} | {seconds:.4f} | "
+            f"{work.clients_per_round / seconds:.0f} | {flops / seconds / 1e9:.3g} | {100 * flops / seconds / 1e9 / gemm:.3g}% |")
 
 
-def seconds_per_round(model_name: str, data: FederatedData, clients: int, execution: str, algo: str = "fedavg",
-                      personal: str = "none", rounds: int = 5, device: torch.device = torch.device("cpu")) -> float:
-    """Median seconds of `rounds` rounds after one warm-up round."""
-    torch.manual_seed(0)
-    model = build_model(model_name, data.feature_shape, data.num_classes).to(device)
-    split = apply_split(model, personal)
-    cfg = StageConfig(rounds=rounds + 1, clients_per_round=clients, max_parallel_clients=clients,
-                      local=LocalConfig(epochs=1, batch_size=10, lr=0.05))
-    stage = FederatedStage(model, split.personal_names, data, build_algorithm(algo), cfg).to(device)
-    stage.execution = execution
-    stage.data = data
-    optimizer = stage.configure_optimizers()
-    stage.optimizers = lambda: optimizer  # drive rounds directly: the engine's cost without Trainer overhead
-    times = []
-    for r in range(rounds + 1):
-        start = time.perf_counter()
-        stage.run_round(r)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def evaluation_seconds(model_name: str, data: FederatedData, personal: str, execution: str) -> float:
-    torch.manual_seed(0)
-    model = build_model(model_name, data.feature_shape, data.num_classes)
-    split = apply_split(model, personal)
-    stage = FederatedStage(model, split.personal_names, data, build_algorithm("fedalt"), StageConfig())
-    stage.execution = execution
-    stage.log_dict = lambda *a, **k: None
+def evaluation_seconds(work: Workload) -> float:
+    """One evaluation of all clients (20 samples each) with the stage's own per-client evaluation."""
+    stage = stage_for(work, 1)
+    stage.evaluate(["test"], 0)
     start = time.perf_counter()
     stage.evaluate(["test"], 0)
     return time.perf_counter() - start
@@ -77,35 +43,28 @@ def evaluation_seconds(model_name: str, data: FederatedData, personal: str, exec
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 200])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per measurement, warm-up included")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(WORKLOADS))
+    parser.add_argument("--gemm-gflops", type=float, help="the fp32 GEMM rate to compare with (default: measure)")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}")
-    workloads = {"mlp": ((1, 8, 8), 10), "cnn": ((1, 28, 28), 62)}
-    print(f"\n{'model':5} {'clients':>7} {'sequential s':>13} {'vmap s':>9} {'loop s':>9} {'auto':>5} "
-          f"{'auto x seq':>10}")
-    for name, (shape, classes) in workloads.items():
-        data = synthetic_clients(max(args.clients) * 2, 20, shape, classes, device)
-        for k in args.clients:
-            seq = seconds_per_round(name, data, k, "sequential", rounds=args.rounds, device=device)
-            vm = seconds_per_round(name, data, k, "vmap", rounds=args.rounds, device=device)
-            lp = seconds_per_round(name, data, k, "loop", rounds=args.rounds, device=device)
-            auto = choose_execution("auto", build_model(name, shape, classes), device)
-            best = {"vmap": vm, "loop": lp}[auto]
-            print(f"{name:5} {k:7d} {seq:13.4f} {vm:9.4f} {lp:9.4f} {auto:>5} {seq / best:10.2f}")
-    print("\nhead-only personalization (FedAlt, output layer personal), 50 clients per round:")
-    for name, (shape, classes) in workloads.items():
-        data = synthetic_clients(100, 20, shape, classes, device)
-        auto = "auto"
-        fast = seconds_per_round(name, data, 50, auto, "fedalt", "output_layer", args.rounds, device)
-        slow = seconds_per_round(name, data, 50, "sequential", "fedalt", "output_layer", args.rounds, device)
-        ev_fast = evaluation_seconds(name, data, "output_layer", auto)
-        ev_slow = evaluation_seconds(name, data, "input_layer", auto)
-        print(f"  {name}: round {fast:.4f} s vs sequential {slow:.4f} s ({slow / fast:.2f}x); "
-              f"evaluation of 100 clients: trunk-once {ev_fast:.4f} s vs per-client model {ev_slow:.4f} s "
-              f"({ev_slow / ev_fast:.2f}x)")
+    gemm = args.gemm_gflops or gemm_gflops(torch.float32, args.device)[0]
+    print(f"\n## fedpilot scaling (FedAvg, auto executor, {args.device}, median of {args.rounds - args.warmup} rounds; "
+          f"fp32 GEMM {gemm:.0f} GFLOP/s)\n")
+    print("| model | width | params | clients/round | s/round | clients/s | GFLOP/s | of fp32 GEMM |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for model in args.models:
+        base = WORKLOADS[model]
+        write_data(base)
+        for k in CLIENTS_PER_ROUND:
+            print(row(dataclasses.replace(base, clients_per_round=k), args, gemm), flush=True)
+        for width in WIDTHS[model]:
+            if width != base.width:
+                print(row(dataclasses.replace(base, width=width), args, gemm), flush=True)
+    print("\n| model | evaluation of all 1000 clients (20 samples each), s |\n|---|---:|")
+    for model in args.models:
+        print(f"| {model} | {evaluation_seconds(WORKLOADS[model]):.4f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""fedpilot side by side with its peers on one workload, in one run: `make bench` (= python bench/compare.py).
+
+Each contender runs the workload of bench/workload.py in its own process (the peers in their own virtual
+environments, set up by bench/peers/setup.sh on first use) and reports its seconds per round; this driver
+samples the memory of each contender's process tree (PSS, worker processes included), measures the
+machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot and the
+fraction of the GEMM rate each contender achieves on the workload's FLOPs. Then fedpilot's scaling
+(bench/engine_throughput.py). Not part of the test suite: nothing here asserts a timing.
+
+    python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--device cpu|cuda]
+                            [--peers flower pfl | --no-peers] [--no-scaling] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from machine import Watch, describe, gemm_gflops
+from workload import WORKLOADS, flops_per_round, write_data
+
+BENCH = Path(__file__).resolve().parent
+VENVS = BENCH / ".venvs"
+
+# key: (label, interpreter, script, extra arguments)
+CONTENDERS = {
+    "fedpilot": ("fedpilot (engine, auto)", sys.executable, "fedpilot_engine.py", []),
+    "fedpilot-bf16": ("fedpilot (engine, bf16-mixed)", sys.executable, "fedpilot_engine.py",
+                      ["--precision", "bf16-mixed"]),
+    "fedpilot-sequential": ("fedpilot (sequential executor)", sys.executable, "fedpilot_engine.py",
+                            ["--execution", "sequential"]),
+    "plain-reuse": ("plain PyTorch loop, one model reused", sys.executable, "plain_torch.py",
+                    ["--model-per-client", "reuse"]),
+    "plain-fresh": ("plain PyTorch loop, new model per client", sys.executable, "plain_torch.py",
+                    ["--model-per-client", "fresh"]),
+    "pfl": ("pfl-research", str(VENVS / "pfl/bin/python"), "pfl_sim.py", []),
+    "flower": ("Flower simulation (Ray)", str(VENVS / "flower/bin/python"), "flower_sim.py", []),
+}
+
+
+def bf16_supported(device: str) -> bool:
+    """Whether the hardware has bf16 matmul units torch uses (CUDA bf16, or oneDNN's AVX-512-BF16/AMX path)."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def run_contender(key: str, work, args) -> dict:
+    label, python, script, extra = CONTENDERS[key]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [python, "-W", "ignore", str(BENCH / "contenders" / script), "--workload", work.to_json(),
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--device", args.device,
+                   "--out", out.name, *extra]
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watch = Watch(process.pid, gpu=args.device.startswith("cuda"))
+        try:
+            log, _ = process.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            log, _ = process.communicate()
+        measured = watch.stop()
+        if process.returncode != 0:
+            return {"key": key, "label": label, "error": (log or "").strip().splitlines()[-1:] or ["failed"]}
+        result = json.loads(Path(out.name).read_text())
+    return {"key": key, "label": label, "wall_s": time.perf_counter() - start, **result, **measured}
+
+
+def ensure_peers(peers: list[str]) -> list[str]:
+    """Set up the peers' environments on first use; the peers whose setup failed are left out with a note."""
+    missing = [p for p in peers if not (VENVS / p / ".installed").exists()]
+    if missing:
+        print(f"setting up peer environments {missing} in {VENVS} (first use only) ...", file=sys.stderr)
+        subprocess.run(["bash", str(BENCH / "peers/setup.sh"), *missing], check=False)
+    ready = [p for p in peers if (VENVS / p / ".installed").exists()]
+    for p in sorted(set(peers) - set(ready)):
+        print(f"note: peer {p} could not be set up (see bench/peers/setup.sh); left out", file=sys.stderr)
+    return ready
+
+
+def print_table(model: str, work, rows: list[dict], flops: float, gemm: float) -> None:
+    base = next((r["median_s"] for r in rows if r["key"] == "fedpilot" and "median_s" in r), None)
+    print(f"\n### {model}: {work.describe()}\n")
+    print(f"FLOPs per round (forward + backward): {flops / 1e9:.2f} GFLOP; limit at the measured fp32 GEMM rate: "
+          f"{flops / gemm / 1e9:.3f} s\n")
+    print("| contender | s/round (median) | peak memory | x fedpilot's time | GFLOP/s | of fp32 GEMM |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        name = r["label"] + (f" {r['version']}" if "version" in r else "") + (
+            f" [{r['executor']}]" if "executor" in r else "")
+        if "error" in r:
+            print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | |")
+            continue
+        s = r["median_s"]
+        gpu = f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB" if "gpu_util_mean" in r else ""
+        ratio = f"{s / base:.2f}x" if base else "-"
+        print(f"| {name} | {s:.4f} | {r['peak_memory_bytes'] / 2**30:.2f} GiB{gpu} | {ratio} | "
+              f"{flops / s / 1e9:.3g} | {100 * flops / s / 1e9 / gemm:.3g}% |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per contender, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--peers", nargs="*", default=["pfl", "flower"], choices=["pfl", "flower"])
+    parser.add_argument("--no-peers", action="store_true", help="only fedpilot and the plain PyTorch loops")
+    parser.add_argument("--no-scaling", action="store_true", help="skip fedpilot's scaling tables")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    parser.add_argument("--json", help="also write every measurement to this file")
+    args = parser.parse_args()
+
+    info = describe(args.device)
+    gemm32, n32 = gemm_gflops(torch.float32, args.device)
+    gemm16, n16 = gemm_gflops(torch.bfloat16, args.device)
+    peers = [] if args.no_peers else ensure_peers(args.peers)
+    keys = ["fedpilot", *(["fedpilot-bf16"] if bf16_supported(args.device) else []), "fedpilot-sequential",
+            "plain-reuse", "plain-fresh", *peers]
+    print(f"## fedpilot vs peers ({time.strftime('%Y-%m-%d %H:%M')})\n")
+    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['cpu_capability']}), {info['memory_gib']} GiB"
+          + (f", GPU {info['gpu']}" if "gpu" in info else "") + f"; torch {info['torch']}, "
+          f"{info['torch_threads']} threads; load average before: {info['load'][0]:.2f}")
+    print(f"large GEMM on {args.device}: fp32 {gemm32:.0f} GFLOP/s (n={n32}), bf16 {gemm16:.1f} GFLOP/s (n={n16})"
+          + ("" if "fedpilot-bf16" in keys else "; no bf16 matmul units, so no bf16-mixed row"))
+    print(f"median of {args.rounds - args.warmup} rounds after {args.warmup} warm-up rounds; peak memory = summed "
+          "PSS of the contender's process tree")
+    results = {"machine": info, "gemm_gflops": {"fp32": gemm32, "bf16": gemm16}, "models": {}}
+    for model in args.models:
+        work = WORKLOADS[model]
+        write_data(work)
+        flops = flops_per_round(work)
+        rows = [run_contender(key, work, args) for key in keys]
+        print_table(model, work, rows, flops, gemm32)
+        results["models"][model] = {"flops_per_round": flops, "rows": rows}
+    print(f"\nload average after: {describe(args.device)['load'][0]:.2f}")
+    sys.stdout.flush()
+    if not args.no_scaling:
+        subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "engine_throughput.py"), "--device", args.device,
+                        "--gemm-gflops", str(gemm32)], check=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,9 @@ CPU core at a time.
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -130,7 +133,7 @@ def eager_client_grad(module: nn.Module, device: torch.device) -> Callable[..., 
 
 def _prefers_channels_last(device: torch.device) -> bool:
     """Channels-last convolutions on GPUs and AVX-512/AMX CPUs (~13% faster there at batch 10); NCHW on AVX2
-    CPUs, where oneDNN's NCHW kernels were ~10% faster for the 2-conv CNN's step (bench/README.md)."""
+    CPUs, where the 2-conv CNN's client steps were 10-15% faster in NCHW (bench/README.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     return device.type != "cpu" or "AVX512" in capability or "AMX" in capability
 
@@ -149,8 +152,9 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
                     device: torch.device) -> None:
     """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
 
-    A client's step at batch 10 is too small to split over cores: one client per core was 1.4x faster on 2 idle
-    cores and ~9x faster on busy ones, where OpenMP's barriers wait on descheduled threads (bench/README.md).
+    A client's step at batch 10 is too small to split over cores: for the 2-conv CNN on 2 cores, one client per
+    core was 1.3x faster than 2 OpenMP threads per client with one other busy process on the machine, and ~9x
+    with four, where OpenMP's barriers wait on descheduled threads (bench/README.md).
     Each client is computed by one thread alone, so the results are the same for any number of threads.
     Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
     and the caller's grad mode and autocast state (both thread-local).
@@ -183,6 +187,7 @@ class VmapExecutor:
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+        keep_freed_memory(batches.source.device)
         step_grad = vmap(client_grad(module), in_dims=(0, 0, None, 0, 0, 0), randomness="different")
         trainable = {n: p.clone() for n, p in trainable.items()}
         for s in range(batches.index.shape[1]):
@@ -214,6 +219,32 @@ class VmapExecutor:
         return _mean_of_steps(total, count)
 
 
+def _own_version(t: torch.Tensor) -> torch.Tensor:
+    """An alias of `t` with its own autograd version counter (a view shares its base's): the in-place steps of
+    other clients on other rows of the same buffer must not invalidate this client's saved tensors."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
+
+
+@functools.cache
+def keep_freed_memory(device: torch.device) -> None:
+    """On Linux CPUs, once per process: glibc keeps freed memory for reuse instead of returning it to the system.
+
+    Every round allocates the same large buffers again (a cohort's trained copies, gradients); with glibc's
+    defaults they are fresh mmap pages that fault on first touch, ~20% of the CNN round's CPU time on 2 cores
+    (bench/README.md). The process's memory then stays at its peak instead of shrinking between rounds.
+    """
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_max = -1, -4
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
+    libc.mallopt(m_mmap_max, 0)
+
+
 def _mean_of_steps(total: Params, count: torch.Tensor) -> Params:
     """Per-client sums of step gradients [K, ...] divided by each client's number of active steps."""
     return {n: t / count.clamp_min(1).view(-1, *[1] * (t.dim() - 1)) for n, t in total.items()}
@@ -228,23 +259,22 @@ class LoopExecutor:
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         device = batches.source.device
+        keep_freed_memory(device)
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
 
         def client(k: int, module: nn.Module) -> None:
             step_grad = eager_client_grad(module, device)
-            mine = {n: p[k : k + 1].clone() for n, p in trainable.items()}  # own version counter, unlike a view
+            mine = {n: p[k : k + 1].copy_(trainable[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             my_rule = rule.for_client(k, trainable)
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
                 x = batches.source[batches.index[k, s]]
-                g, (loss, acc) = step_grad({n: p[0] for n, p in mine.items()}, my_frozen, fixed, x,
+                g, (loss, acc) = step_grad({n: _own_version(p[0]) for n, p in mine.items()}, my_frozen, fixed, x,
                                            batches.labels[k, s], batches.weight[k, s])
                 my_rule.apply_(mine, {n: v.unsqueeze(0) for n, v in g.items()}, batches.active[k, s : s + 1])
                 stats.loss[k] += loss
                 stats.acc[k] += acc.detach()
                 stats.steps[k] += 1
-            for n, p in mine.items():
-                trained[n][k : k + 1] = p
 
         for_each_client(module, client, batches.index.shape[0], device)
         return trained
@@ -253,6 +283,7 @@ class LoopExecutor:
                   stats: TrainStats) -> Params:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
         device = batches.source.device
+        keep_freed_memory(device)
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
 

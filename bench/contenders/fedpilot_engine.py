@@ -9,6 +9,7 @@ the end-of-stage evaluation stays out of the timing.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class RoundTimer(L.Callback):
 def round_times(work: Workload, rounds: int, device: str, execution: str = "auto",
                 precision: str = "32-true") -> list[float]:
     """Seconds of each of `rounds` rounds of the stage, run by a quiet Lightning Trainer."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     clock = RoundClock(device)
     stage = stage_for(work, rounds, execution, precision)
     trainer = L.Trainer(max_steps=rounds, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,

@@ -40,6 +40,7 @@ from fedpilot.data.federated import cache_root
 from fedpilot.data.summary import describe
 from fedpilot.engine import FederatedStage, carry_bank
 from fedpilot.engine.aggregate import splits_across_processes
+from fedpilot.engine.memory import release_freed_memory
 from fedpilot.engine.metrics import distribution
 from fedpilot.errors import SpecError
 from fedpilot.models import ParamSplit, apply_split, build_model
@@ -153,7 +154,8 @@ def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int
 
 class PeakMemory:
     """Peak memory while a block runs: torch's peak CUDA allocation on a GPU, else the process's resident set
-    size sampled every 20 ms (so each stage gets its own peak, not the process's lifetime maximum)."""
+    size sampled every 20 ms, from a start where the allocator has given back what is free (so each stage gets
+    its own peak, not the process's lifetime maximum, also when the engine keeps freed memory between rounds)."""
 
     def __init__(self, device: torch.device, interval: float = 0.02):
         self.device, self.interval = device, interval
@@ -172,6 +174,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            release_freed_memory()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self

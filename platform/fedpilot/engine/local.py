@@ -9,9 +9,6 @@ CPU core at a time.
 from __future__ import annotations
 
 import copy
-import ctypes
-import functools
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+from fedpilot.engine.memory import keep_freed_memory
 
 Params = dict[str, torch.Tensor]
 
@@ -224,25 +223,6 @@ def _own_version(t: torch.Tensor) -> torch.Tensor:
     other clients on other rows of the same buffer must not invalidate this client's saved tensors."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
                                                                t.stride())
-
-
-@functools.cache
-def keep_freed_memory(device: torch.device) -> None:
-    """On Linux CPUs, once per process: glibc keeps freed memory for reuse instead of returning it to the system.
-
-    Every round allocates the same large buffers again (a cohort's trained copies, gradients); with glibc's
-    defaults they are fresh mmap pages that fault on first touch, ~20% of the CNN round's CPU time on 2 cores
-    (bench/README.md). The process's memory then stays at its peak instead of shrinking between rounds.
-    """
-    if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max = -1, -4
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-    libc.mallopt(m_mmap_max, 0)
 
 
 def _mean_of_steps(total: Params, count: torch.Tensor) -> Params:

@@ -187,6 +187,42 @@ class PeakMemory:
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
 
 
+@dataclass
+class Prepared:
+    """What every check of a pipeline builds: the federated data, the model, the stages' algorithms, the device."""
+
+    data: FederatedData
+    model: torch.nn.Module
+    algorithms: list[Any]
+    device: torch.device
+
+
+def prepare(spec: PipelineSpec, root: Path) -> Prepared:
+    """Build what a pipeline needs and run every check that can fail on the user's input (data, model options,
+    cohort sizes, algorithms, devices, personalization), before any run is created. `fedpilot validate` and
+    `fedpilot run` both call it; `root` is the cache root (the dataset is cached under root/data)."""
+    device = resolve_device(spec.device)
+    data = build_federated_data(spec.dataset, spec.seed, root / "data")
+    for i, stage in enumerate(spec.stages):
+        if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
+            raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,
+                            f"the federation has only {data.n_clients} clients")
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model.name, data.feature_shape, data.num_classes, **spec.model.options)
+    algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
+    check_devices(spec, device, algorithms)
+    probe = copy.deepcopy(model)
+    for i, stage in enumerate(spec.stages):
+        split, dim = stage_split(spec, stage, algorithms[i].personal_part)
+        try:
+            algorithms[i].prepare_model(probe, data.feature_shape)
+            apply_split(probe, split, dim)
+        except SpecError as err:
+            raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
+                            err.value, err.problem, err.allowed) from None
+    return Prepared(data, model, algorithms, device)
+
+
 class PipelineRunner:
     """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
 
@@ -194,24 +230,9 @@ class PipelineRunner:
         self.spec, self.progress = spec, progress
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
-        self.device = resolve_device(spec.device)
-        # Everything that can fail on the user's input happens here, before any run is created.
-        self.data = build_federated_data(spec.dataset, spec.seed, self.root / "data")
-        torch.manual_seed(spec.seed)
-        self.model = build_model(spec.model.name, self.data.feature_shape, self.data.num_classes,
-                                 **spec.model.options)
-        self.algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm")
-                           for i, s in enumerate(spec.stages)]
-        check_devices(spec, self.device, self.algorithms)
-        probe = copy.deepcopy(self.model)
-        for i, stage in enumerate(spec.stages):
-            split, dim = stage_split(spec, stage, self.algorithms[i].personal_part)
-            try:
-                self.algorithms[i].prepare_model(probe, self.data.feature_shape)
-                apply_split(probe, split, dim)
-            except SpecError as err:
-                raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
-                                err.value, err.problem, err.allowed) from None
+        prepared = prepare(spec, self.root)  # every input check, before any run is created
+        self.data, self.model, self.algorithms, self.device = (prepared.data, prepared.model, prepared.algorithms,
+                                                               prepared.device)
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def job(db_url: str, job_id: int) -> dict:
 def submitted(*args: str) -> int:
     code, output = cli("submit", *args)
     assert code == 0, output
-    return int(output.strip().splitlines()[-1])
+    return int(re.search(r"(\d+)\s*$", output).group(1))  # the last thing printed (after any progress bars)
 
 
 def wait_for(predicate, timeout: float = 60, what: str = "condition") -> None:
@@ -108,11 +109,19 @@ def test_concurrent_claims_take_each_job_once(db_url):
     assert {r["attempts"] for r in list_jobs(engine)} == {1}
 
 
-def test_killed_workers_job_is_recovered_by_another_worker(db_url, child_env, tmp_path):
-    job_id = submitted(str(tiny(tmp_path, rounds=30)), "--db", db_url)
+def test_killed_workers_job_is_resumed_by_another_worker_in_the_same_runs(db_url, child_env, tmp_path):
+    job_id = submitted(str(tiny(tmp_path, rounds=400)), "--db", db_url)
     first = start_worker(db_url, child_env, tmp_path, "doomed")
-    wait_for(lambda: job(db_url, job_id)["status"] == "running", what="the first worker to claim the job")
-    wait_for(lambda: psutil.Process(first.pid).children(), what="the job's child process")
+    wait_for(lambda: job(db_url, job_id)["run_id"], what="the job's MLflow run to be recorded")
+    client = MlflowClient(child_env["MLFLOW_TRACKING_URI"])
+    run_id = job(db_url, job_id)["run_id"]
+
+    def rounds_logged() -> int:
+        stages = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                    f"tags.mlflow.parentRunId = '{run_id}'")
+        return len(client.get_metric_history(stages[0].info.run_id, "round_time_s")) if stages else 0
+
+    wait_for(lambda: rounds_logged() >= 25, what="the first attempt to train past a checkpoint")
     child = psutil.Process(first.pid).children()[0]
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=30)
@@ -122,7 +131,50 @@ def test_killed_workers_job_is_recovered_by_another_worker(db_url, child_env, tm
     log = second.communicate(timeout=240)[0]
     row = job(db_url, job_id)
     assert (row["status"], row["attempts"], row["worker"]) == ("succeeded", 2, "rescuer"), (row, log)
-    assert row["run_id"]
+    assert row["run_id"] == run_id  # the second attempt resumed the first one's runs
+    parent = client.get_run(run_id)
+    stages = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    assert parent.info.status == "FINISHED" and [s.info.status for s in stages] == ["FINISHED"]
+    steps = [m.step for m in client.get_metric_history(stages[0].info.run_id, "round_time_s")]
+    assert steps == list(range(1, 401))  # every round once, also those redone after the last checkpoint
+    code, output = cli("jobs", "show", str(job_id), "--db", db_url, "--json")
+    attempts = json.loads(output)["attempts_detail"]
+    assert [(a["worker"], a["status"], a["run_id"]) for a in attempts] == [("doomed", "lost", run_id),
+                                                                          ("rescuer", "succeeded", run_id)]
+    assert "stopped sending heartbeats" in attempts[0]["error"]
+
+
+def test_a_failed_jobs_error_is_shown(db_url, child_env, tmp_path):
+    job_id = submitted(str(tiny(tmp_path)), "--db", db_url)
+    with session_factory(connect(db_url)).begin() as session:  # a spec a newer fedpilot would refuse
+        session.execute(update(Job).where(Job.id == job_id).values(spec=json.dumps({**TINY, "seed": "zero"})))
+    worker = start_worker(db_url, child_env, tmp_path, "w", "--exit-when-idle")
+    worker.communicate(timeout=120)
+    code, listing = cli("jobs", "--db", db_url)
+    assert code == 0 and "failed" in listing and "seed='zero'" in listing
+    code, shown = cli("jobs", "show", str(job_id), "--db", db_url)
+    assert code == 0, shown
+    assert "error:" in shown and "seed='zero': Input should be a valid integer" in shown
+    assert "attempts" in shown and "exit_code" in shown
+    code, output = cli("jobs", "show", "999", "--db", db_url)
+    assert code == 2 and "JOB_ID=999: no such job" in output
+
+
+def test_submit_makes_local_dataset_paths_absolute(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    rows = {"x": [[float(i % 7), float(i % 3)] for i in range(200)], "y": [i % 2 for i in range(200)]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "data" / "points.parquet"))
+    spec = {**TINY, "defaults": [{"model": "mlp"}, "_self_"],
+            "dataset": {"source": {"kind": "hf", "path": "data/points.parquet", "feature": "x", "label": "y"},
+                        "partition": {"kind": "iid", "clients": 10}}}
+    db = f"sqlite:///{tmp_path}/platform.db"
+    job_id = submitted(str(write_pipeline(tmp_path, spec, "points.yaml")), "--db", db)
+    with session_factory(connect(db))() as session:
+        stored = json.loads(session.get(Job, job_id).spec)
+    assert stored["dataset"]["source"]["path"] == str(tmp_path / "data" / "points.parquet")
 
 
 def test_recovery_gives_up_after_three_attempts(db_url):

@@ -199,6 +199,12 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path):
     trials = optuna.load_study(study_name="small", storage=db).get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
     assert trials[1].system_attrs["failed_trial"] == trials[0].number and trials[1].params == trials[0].params
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")  # no run is left RUNNING by the dead processes
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    dead = client.get_run(trials[0].user_attrs["mlflow_run_id"])
+    assert dead.info.status == "KILLED" and "heartbeat" in dead.data.tags["fedpilot.error"]
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    assert client.get_run(job["run_id"]).info.status == "FINISHED"  # the search run
 
 
 def test_multi_objective_search_records_a_pareto_front_and_the_time_budget_stops_it(env):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from fedpilot.errors import SpecError
+from fedpilot.result_file import write_result
 
 app = typer.Typer(
     name="fedpilot",
@@ -23,6 +26,8 @@ data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", 
 app.add_typer(data_app, name="data")
 
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
+ResultFile = Annotated[Path | None, typer.Option(hidden=True, help="JSON file a worker reads: run id, status, "
+                                                                  "error (written as they become known).")]
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Dotted overrides such as dataset.partition.alpha=0.1 or stages.0.rounds=20."),
@@ -93,9 +98,15 @@ def run(
     cache_dir: Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
                                                        "$FEDPILOT_CACHE or .fedpilot-cache).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = True,
+    cache: Annotated[bool, typer.Option(help="Reuse finished stages from the stage cache (--no-cache recomputes "
+                                             "every stage and refreshes the cache).")] = True,
+    result_file: ResultFile = None,
 ) -> None:
-    """Run a pipeline's stages in order, recording everything in MLflow; ends with `run_id: <parent run id>`."""
-    from fedpilot.pipeline import PipelineRunner, load_resumed_spec, quiet_lightning
+    """Run a pipeline's stages in order, recording everything in MLflow; ends with `run_id: <parent run id>`.
+
+    Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
+    continues from there."""
+    from fedpilot.pipeline import PipelineRunner, Stopped, load_resumed_spec, quiet_lightning
     from fedpilot.spec import PipelineSpec, load_pipeline
     from fedpilot.tracking import tracking_uri
 
@@ -110,19 +121,41 @@ def run(
             raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
         else:
             spec = load_pipeline(pipeline, overrides or [])
-        runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress)
+        runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress, use_cache=cache)
     except SpecError as err:
+        write_result(result_file, status="failed", error=str(err))
         fail(err)
     if runner.rank > 0:  # a DDP process Lightning started for `devices` > 1: it trains, rank 0 reports
         runner.follow(resume)
         return
     typer.echo(f"pipeline {spec.name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
                f"{runner.device.type} x{spec.devices}, tracking {runner.uri}")
-    result = runner.run(resume=resume)
+    with reporting(result_file):
+        try:
+            result = runner.run(resume=resume, started=lambda run_id: write_result(result_file, run_id=run_id))
+        except Stopped as stop:
+            typer.echo(f"\nstopped; continue with: {_program()} run --resume {runner.run_id}", err=True)
+            raise typer.Exit(stop.code) from None
     typer.echo("")
     typer.echo(format_outcomes(result.stages))
     typer.echo(f"\nbrowse: {_program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
     typer.echo(f"run_id: {result.run_id}")
+
+
+@contextmanager
+def reporting(result_file: Path | None) -> Iterator[None]:
+    """The block's outcome in the job result file: succeeded, or failed/killed with the error."""
+    from fedpilot.pipeline import Stopped
+
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as err:
+        write_result(result_file, status="killed", error=f"stopped by a signal ({type(err).__name__})")
+        raise
+    except BaseException as err:
+        write_result(result_file, status="failed", error=f"{type(err).__name__}: {err}")
+        raise
+    write_result(result_file, status="succeeded")
 
 
 def _program() -> str:
@@ -157,6 +190,7 @@ def search(
                                                        ".fedpilot-cache).")] = None,
     heartbeat_seconds: Annotated[int, typer.Option(min=1, help="Trial heartbeat; a trial silent for 3 heartbeats "
                                                               "is failed and retried.")] = 10,
+    result_file: ResultFile = None,
 ) -> None:
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id."""
     from fedpilot.db import platform_db_url
@@ -170,9 +204,12 @@ def search(
         spec = load_pipeline(pipeline, overrides or [])
         runner = Search(spec, platform_db_url(storage), trials, study, cache_dir, heartbeat_seconds, typer.echo)
     except SpecError as err:
+        write_result(result_file, status="failed", error=str(err))
         fail(err)
+    write_result(result_file, run_id=runner.run_id)
     typer.echo(f"study {runner.study_name}: {runner.trials} trials, space {', '.join(spec.search.space)}")
-    result = runner.run()
+    with reporting(result_file):
+        result = runner.run()
     best = ", ".join(f"{v:.4f}" for v in result.best_values) or "none"
     typer.echo(f"\nstudy {result.study}: {result.finished} finished trials ({result.pruned} pruned); best "
                f"{'/'.join(o.metric for o in spec.search.objective)} = {best} with {result.best_params}; "

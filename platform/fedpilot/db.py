@@ -21,6 +21,8 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     create_engine,
+    inspect,
+    text,
 )
 from sqlalchemy.exc import (
     ArgumentError,
@@ -35,6 +37,7 @@ from fedpilot.errors import SpecError
 
 DEFAULT_DB = "sqlite:///fedpilot.db"
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+LOST = "lost"  # an attempt whose worker stopped sending heartbeats
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 
 
@@ -72,11 +75,28 @@ def connect(url: str) -> Engine:
 
 
 def _create_tables(engine: Engine) -> None:
-    """The `fedpilot_*` tables that do not exist yet (a second try if another process raced to create them)."""
+    """The `fedpilot_*` tables that do not exist yet (a second try if another process raced to create them), and
+    the columns a newer fedpilot added to an existing table."""
     try:
         Base.metadata.create_all(engine)
     except (IntegrityError, ProgrammingError, OperationalError):
         Base.metadata.create_all(engine)
+    _add_missing_columns(engine)
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """ALTER TABLE ... ADD COLUMN for each nullable column a table of an older database lacks."""
+    found = inspect(engine)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in found.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have and column.nullable:
+                kind = column.type.compile(engine.dialect)
+                try:
+                    with engine.begin() as db:
+                        db.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                except (OperationalError, ProgrammingError):  # another process added it first
+                    pass
 
 
 def session_factory(engine: Engine) -> sessionmaker:
@@ -126,6 +146,25 @@ class Job(Base):
     tracking_uri: Mapped[str | None] = mapped_column(Text)
     stdout_tail: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed, in a line or a few
+
+
+class JobAttempt(Base):
+    """One try of a job by a worker: when, where, how it ended, its MLflow run and its error."""
+
+    __tablename__ = "fedpilot_job_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number", name="fedpilot_job_attempts_once"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("fedpilot_jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(200))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    status: Mapped[str] = mapped_column(String(16), default=RUNNING)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    run_id: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
 
 
 class Schedule(Base):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import os
 import signal
@@ -19,8 +20,20 @@ from typing import Any
 import yaml
 from sqlalchemy import Engine, and_, or_, select, update
 
-from fedpilot.db import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Job, session_factory, utcnow
+from fedpilot.db import (
+    CANCELLED,
+    FAILED,
+    LOST,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    Job,
+    JobAttempt,
+    session_factory,
+    utcnow,
+)
 from fedpilot.errors import SpecError
+from fedpilot.result_file import read_result
 
 MAX_ATTEMPTS = 3
 TAIL_CHARS = 4000
@@ -29,10 +42,15 @@ PR_SET_PDEATHSIG = 1
 
 
 def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) -> dict[str, Any]:
-    """Validate a pipeline into the fields of a job: kind, pipeline name, resolved spec, trials and study."""
+    """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
+    check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere)."""
+    from fedpilot.data.federated import cache_root
+    from fedpilot.pipeline import prepare as check
     from fedpilot.spec import load_pipeline
 
-    resolved = load_pipeline(path, overrides).resolved()
+    spec = load_pipeline(path, overrides)
+    check(spec, cache_root())
+    resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:
             raise SpecError("--trials", trials, "only search jobs have trials; add --search")
@@ -45,6 +63,15 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) 
         raise SpecError("--trials", None, "required with --search (the pipeline's search block sets no trials)")
     return {"kind": "search", "pipeline": resolved["name"], "spec": json.dumps(resolved), "trials": int(trials),
             "study": block["study"]}
+
+
+def absolute_paths(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The spec with a local dataset path (a file, folder or glob relative to here) made absolute."""
+    source = resolved["dataset"]["source"]
+    path = source.get("path")
+    if path and (Path(path).expanduser().exists() or glob.glob(os.path.expanduser(path))):
+        source["path"] = str(Path(os.path.abspath(os.path.expanduser(path))))
+    return resolved
 
 
 def submit(engine: Engine, fields: dict[str, Any]) -> int:
@@ -69,7 +96,33 @@ def _row(job: Job) -> dict[str, Any]:
     return {"id": job.id, "kind": job.kind, "pipeline": job.pipeline, "status": job.status,
             "cancel_requested": job.cancel_requested, "attempts": job.attempts, "worker": job.worker,
             **stamp, "trials": job.trials, "study": job.study, "exit_code": job.exit_code, "run_id": job.run_id,
-            "tracking_uri": job.tracking_uri, "mlflow": mlflow_link(job.tracking_uri, job.run_id)}
+            "tracking_uri": job.tracking_uri, "mlflow": mlflow_link(job.tracking_uri, job.run_id),
+            "error": job.error, "reason": short_reason(job.error) if job.status == FAILED else None}
+
+
+def short_reason(error: str | None, width: int = 60) -> str | None:
+    """The last line of an error, cut to `width` characters (the `reason` column of `fedpilot jobs`)."""
+    if not error:
+        return None
+    line = error.strip().splitlines()[-1]
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def show_job(engine: Engine, job_id: int) -> dict[str, Any]:
+    """One job with its attempts (oldest first), output tails and error; a SpecError if there is no such job."""
+    with session_factory(engine)() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise SpecError("JOB_ID", job_id, "no such job")
+        attempts = session.scalars(select(JobAttempt).where(JobAttempt.job_id == job_id)
+                                   .order_by(JobAttempt.number)).all()
+    row = _row(job)
+    row["attempts_detail"] = [{"number": a.number, "worker": a.worker, "status": a.status,
+                               "started_at": a.started_at.isoformat() if a.started_at else None,
+                               "finished_at": a.finished_at.isoformat() if a.finished_at else None,
+                               "exit_code": a.exit_code, "run_id": a.run_id, "error": a.error} for a in attempts]
+    row.update(stdout_tail=job.stdout_tail, stderr_tail=job.stderr_tail)
+    return row
 
 
 def mlflow_link(uri: str | None, run_id: str | None) -> str | None:
@@ -105,16 +158,34 @@ def cancel(engine: Engine, job_id: int) -> str:
 
 
 def recover(engine: Engine, grace_seconds: float) -> None:
-    """Jobs whose worker stopped heartbeating for `grace_seconds`: queued again, or failed after 3 attempts."""
+    """Jobs whose worker stopped heartbeating for `grace_seconds`: the attempt is lost and its MLflow runs KILLED
+    (the next attempt resumes them); the job is queued again, or failed after 3 attempts."""
     stale = and_(Job.status == RUNNING, Job.heartbeat_at < utcnow() - timedelta(seconds=grace_seconds))
     lost = "the worker running it stopped sending heartbeats"
     with session_factory(engine).begin() as session:
-        session.execute(update(Job).where(stale, Job.cancel_requested)
-                        .values(status=CANCELLED, finished_at=utcnow(), stderr_tail=lost))
-        session.execute(update(Job).where(stale, Job.attempts >= MAX_ATTEMPTS)
-                        .values(status=FAILED, finished_at=utcnow(),
-                                stderr_tail=f"{lost}; gave up after {MAX_ATTEMPTS} attempts"))
-        session.execute(update(Job).where(stale).values(status=QUEUED, worker=None, heartbeat_at=None))
+        jobs = session.scalars(select(Job).where(stale).with_for_update()).all()
+        orphans = [(job.tracking_uri, job.run_id) for job in jobs if job.run_id]
+        for job in jobs:
+            session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts)
+                            .values(status=LOST, finished_at=utcnow(), error=lost))
+            if job.cancel_requested:
+                job.status, job.finished_at, job.error = CANCELLED, utcnow(), lost
+            elif job.attempts >= MAX_ATTEMPTS:
+                job.status, job.finished_at, job.error = FAILED, utcnow(), f"{lost}; gave up after {MAX_ATTEMPTS} attempts"
+            else:
+                job.status, job.worker, job.heartbeat_at = QUEUED, None, None
+    for uri, run_id in orphans:
+        _close_runs(uri, run_id, lost)
+
+
+def _close_runs(uri: str | None, run_id: str, reason: str) -> None:
+    """Mark a dead attempt's MLflow runs KILLED; an unreachable store is reported, not fatal to the worker."""
+    from fedpilot.tracking import close_orphans
+
+    try:
+        close_orphans(uri or DEFAULT_TRACKING_URI, run_id, reason)
+    except Exception as err:  # the tracking server may be down: the next attempt resumes the runs anyway
+        print(f"could not mark the runs of {run_id} KILLED: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 def claim(engine: Engine, worker: str) -> Job | None:
@@ -131,9 +202,14 @@ def claim(engine: Engine, worker: str) -> Job | None:
             taken = session.execute(update(Job).where(Job.id == job_id, Job.status == QUEUED).values(
                 status=RUNNING, worker=worker, attempts=Job.attempts + 1, started_at=now, heartbeat_at=now,
                 finished_at=None, cancel_requested=False))
+            if taken.rowcount != 1:
+                session.commit()
+                continue
+            job = session.get(Job, job_id, populate_existing=True)
+            session.add(JobAttempt(job_id=job_id, number=job.attempts, worker=worker, started_at=now,
+                                   status=RUNNING, run_id=job.run_id))
             session.commit()
-            if taken.rowcount == 1:
-                return session.get(Job, job_id, populate_existing=True)
+            return job
 
 
 def idle(engine: Engine, grace_seconds: float) -> bool:
@@ -144,13 +220,16 @@ def idle(engine: Engine, grace_seconds: float) -> bool:
         return session.scalar(select(Job.id).where(waiting).limit(1)) is None
 
 
-def child_command(job: Job, spec_file: Path, db_url: str, heartbeat_seconds: float) -> list[str]:
-    """The `fedpilot run` or `fedpilot search` command line that executes a job (trials beat like the worker)."""
+def child_command(job: Job, spec_file: Path, result_file: Path, db_url: str, heartbeat_seconds: float) -> list[str]:
+    """The `fedpilot run` or `fedpilot search` command line that executes a job (trials beat like the worker). A run
+    an earlier attempt started is resumed in its own MLflow runs, from its last checkpoint."""
     base = [sys.executable, "-m", "fedpilot.cli"]
     if job.kind == "search":
         return [*base, "search", str(spec_file), "--trials", str(job.trials), "--storage", db_url,
-                "--study", str(job.study), "--heartbeat-seconds", str(max(1, round(heartbeat_seconds)))]
-    return [*base, "run", str(spec_file), "--no-progress"]
+                "--study", str(job.study), "--heartbeat-seconds", str(max(1, round(heartbeat_seconds))),
+                "--result-file", str(result_file)]
+    target = ["--resume", job.run_id] if job.run_id else [str(spec_file)]
+    return [*base, "run", *target, "--no-progress", "--result-file", str(result_file)]
 
 
 def _die_with_parent(parent: int) -> None:
@@ -166,37 +245,58 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
     spec = json.loads(job.spec)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or (spec.get("tracking") or {}).get("uri") or DEFAULT_TRACKING_URI
     with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
-        spec_file = Path(tmp) / f"job-{job.id}.yaml"
+        spec_file, result_file = Path(tmp) / f"job-{job.id}.yaml", Path(tmp) / "result.json"
         spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
         with out_path.open("w") as out, err_path.open("w") as err:
             parent = os.getpid()
-            proc = subprocess.Popen(child_command(job, spec_file, db_url, heartbeat_seconds), stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
+            command = child_command(job, spec_file, result_file, db_url, heartbeat_seconds)
+            proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=lambda: _die_with_parent(parent))
-            stopped = _watch(engine, job.id, worker, proc, heartbeat_seconds)
+            stopped = _watch(engine, job, worker, proc, heartbeat_seconds, result_file, uri)
         stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+        result = read_result(result_file)
     status = stopped or (SUCCEEDED if proc.returncode == 0 else FAILED)
+    error = None if status == SUCCEEDED else (result.get("error") or _last_line(stderr)
+                                              or f"exit code {proc.returncode}")
+    mine = and_(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
     with session_factory(engine).begin() as session:
-        session.execute(update(Job).where(Job.id == job.id, Job.worker == worker, Job.status == RUNNING).values(
-            status=status, finished_at=utcnow(), exit_code=proc.returncode, run_id=run_id_of(stdout),
-            tracking_uri=uri, stdout_tail=stdout[-TAIL_CHARS:], stderr_tail=stderr[-TAIL_CHARS:]))
+        session.execute(update(Job).where(mine).values(
+            status=status, finished_at=utcnow(), exit_code=proc.returncode, run_id=result.get("run_id") or job.run_id,
+            tracking_uri=uri, stdout_tail=stdout[-TAIL_CHARS:], stderr_tail=stderr[-TAIL_CHARS:], error=error))
+        session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts,
+                                                 JobAttempt.worker == worker).values(
+            status=status, finished_at=utcnow(), exit_code=proc.returncode, error=error,
+            run_id=result.get("run_id") or job.run_id))
     return status
 
 
-def _watch(engine: Engine, job_id: int, worker: str, proc: subprocess.Popen, heartbeat_seconds: float) -> str | None:
-    """Heartbeat until the child exits; kill it on a cancel request (-> CANCELLED) or if the job was taken
-    from this worker (-> the status it has now)."""
+def _last_line(text: str) -> str | None:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartbeat_seconds: float,
+           result_file: Path, uri: str) -> str | None:
+    """Heartbeat until the child exits, recording its MLflow run as soon as it exists (a retry resumes it); kill
+    it on a cancel request (-> CANCELLED) or if the job was taken from this worker (-> the status it has now)."""
+    recorded = job.run_id
     while True:
         try:
             proc.wait(timeout=heartbeat_seconds)
             return None
         except subprocess.TimeoutExpired:
             pass
+        run_id = read_result(result_file).get("run_id")
+        news = {"run_id": run_id, "tracking_uri": uri} if run_id and run_id != recorded else {}
         with session_factory(engine).begin() as session:
-            beat = session.execute(update(Job).where(Job.id == job_id, Job.worker == worker, Job.status == RUNNING)
-                                   .values(heartbeat_at=utcnow()))
-            cancelled = session.scalar(select(Job.cancel_requested).where(Job.id == job_id))
+            beat = session.execute(update(Job).where(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
+                                   .values(heartbeat_at=utcnow(), **news))
+            if news and beat.rowcount:
+                session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id,
+                                                         JobAttempt.number == job.attempts).values(run_id=run_id))
+                recorded = run_id
+            cancelled = session.scalar(select(Job.cancel_requested).where(Job.id == job.id))
         if cancelled or not beat.rowcount:
             _kill(proc)
             return CANCELLED if cancelled else None
@@ -207,12 +307,6 @@ def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-def run_id_of(stdout: str) -> str | None:
-    """The id in the last `run_id: <id>` line of a child's stdout."""
-    lines = [line for line in stdout.splitlines() if line.startswith("run_id: ")]
-    return lines[-1].split(": ", 1)[1].strip() if lines else None
 
 
 def default_worker_name() -> str:

@@ -65,8 +65,16 @@ def submit(
     typer.echo(job_id)
 
 
-def jobs(db: Db = None, as_json: AsJson = False) -> None:
-    """List the jobs: status (queued/running/succeeded/failed/cancelled), attempts, worker, times, MLflow run."""
+jobs_app = typer.Typer(help="The job queue: `fedpilot jobs` lists it, `fedpilot jobs show ID` tells one job's story.",
+                       invoke_without_command=True)
+
+
+@jobs_app.callback()
+def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
+    """List the jobs: status (queued/running/succeeded/failed/cancelled), attempts, worker, times, MLflow run, and
+    a short reason for failed ones."""
+    if ctx.invoked_subcommand is not None:
+        return
     from fedpilot.cli import fail
     from fedpilot.jobs import list_jobs
 
@@ -75,7 +83,36 @@ def jobs(db: Db = None, as_json: AsJson = False) -> None:
     except SpecError as err:
         fail(err)
     _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", "created_at",
-                                "started_at", "finished_at", "mlflow"])
+                                "started_at", "finished_at", "mlflow", "reason"])
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None,
+              as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False) -> None:
+    """One job: its fields, every attempt (worker, times, status, exit code, MLflow run, error) and its output."""
+    from fedpilot.cli import fail
+    from fedpilot.jobs import show_job
+
+    try:
+        row = show_job(_engine(db), job_id)
+    except SpecError as err:
+        fail(err)
+    if as_json:
+        json.dump(row, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    for key in ("id", "kind", "pipeline", "status", "attempts", "worker", "created_at", "started_at", "finished_at",
+                "trials", "study", "exit_code", "mlflow"):
+        if row[key] is not None:
+            typer.echo(f"{key + ':':<13}{row[key]}")
+    if row["error"]:
+        typer.echo(f"{'error:':<13}{row['error']}")
+    typer.echo("\nattempts")
+    _print_rows(row["attempts_detail"], False, ["number", "worker", "status", "started_at", "finished_at",
+                                                 "exit_code", "run_id", "error"])
+    for stream in ("stdout_tail", "stderr_tail"):
+        if row[stream]:
+            typer.echo(f"\n{stream.replace('_tail', '')} (last {len(row[stream])} characters)\n{row[stream].rstrip()}")
 
 
 def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None) -> None:
@@ -208,6 +245,7 @@ def schedule_remove(name: ScheduleName, db: Db = None) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the job-queue commands and the `schedule` group to the `fedpilot` app."""
-    for command in (submit, jobs, cancel, worker, scheduler):
+    for command in (submit, cancel, worker, scheduler):
         app.command()(command)
+    app.add_typer(jobs_app, name="jobs")
     app.add_typer(schedule_app, name="schedule")

@@ -16,10 +16,13 @@ import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -44,6 +47,7 @@ from fedpilot.engine.memory import release_freed_memory
 from fedpilot.engine.metrics import distribution
 from fedpilot.errors import SpecError
 from fedpilot.models import ParamSplit, apply_split, build_model
+from fedpilot.names import safe_path
 from fedpilot.spec import PipelineSpec, StageSpec
 from fedpilot.tracking import CACHE_TAG, SPEC_ARTIFACT, RoundMetrics, Tracker, flatten, tracking_uri
 
@@ -142,14 +146,83 @@ def stage_split(spec: PipelineSpec, stage: StageSpec, algorithm_part: str | None
     return (algorithm_part or chosen.split), chosen.adapter_dim
 
 
-def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int, split: Any, device: str) -> str:
-    """The cache key of stage `index`: everything its result depends on, chained to the previous stage's key."""
+def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int, split: Any, device: str,
+              code: str) -> str:
+    """The cache key of stage `index`: everything its result depends on (`code`: the code_fingerprint of what runs
+    it), chained to the previous stage's key."""
     stage = spec.stages[index]
-    payload = {"format": CACHE_FORMAT, "fedpilot": version("fedpilot"), "previous": previous,
+    payload = {"format": CACHE_FORMAT, "code": code, "fedpilot": version("fedpilot"), "previous": previous,
                "data": data.fingerprint, "model": spec.model.model_dump(mode="json"), "seed": spec.seed,
                "index": index, "stage": stage.model_dump(mode="json", exclude=NOT_IN_KEY), "split": split,
                "eval_every": stage.eval_every or spec.evaluation.every, "device": device}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# Packages whose code never enters a stage key: the Python runtime and pinned libraries (their versions do).
+NOT_OUR_CODE = {"builtins", "abc", "typing", "torch", "pydantic", "functools", "collections"}
+
+
+def code_fingerprint(*components: object) -> str:
+    """sha256 of the source of the code a stage computes with: fedpilot's engine, models and data packages, and
+    the modules defining each component's class and bases (the algorithm; the model and its submodules, which is
+    where a plugin's own code lives). An edited model or algorithm gives the stage a new cache key."""
+    from fedpilot import data, engine, models
+
+    files = {f for package in (engine, models, data) for f in Path(package.__file__).parent.glob("*.py")}
+    classes = {cls for c in components for obj in ([*c.modules()] if isinstance(c, torch.nn.Module) else [c])
+               for cls in type(obj).__mro__}
+    for cls in classes:
+        module = sys.modules.get(cls.__module__)
+        if cls.__module__.split(".")[0] not in NOT_OUR_CODE and getattr(module, "__file__", None):
+            files.add(Path(module.__file__))
+    digest = hashlib.sha256(torch.__version__.encode())
+    for file in sorted(files):
+        digest.update(str(file.name).encode() + file.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+class Stopped(SystemExit):
+    """A pipeline stopped on SIGINT/SIGTERM after a round, with a checkpoint (exit code 128 + the signal)."""
+
+
+_STOP: dict[str, int] = {}  # the signal that asked the running pipeline to stop, if any
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM ask the training stage to stop after its current round
+    (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP.clear()
+
+    def ask(signum: int, frame: Any) -> None:
+        if _STOP and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _STOP["signal"] = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
+              "once)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class CheckpointOnStop(Callback):
+    """After a round, if a stop was asked (stop_on_signals): save the checkpoint `path` and stop (runs KILLED)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if _STOP:
+            trainer.save_checkpoint(self.path)
+            signum = _STOP["signal"]
+            raise Stopped(128 + signum)
 
 
 class PeakMemory:
@@ -226,8 +299,9 @@ def prepare(spec: PipelineSpec, root: Path) -> Prepared:
 class PipelineRunner:
     """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
 
-    def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True):
-        self.spec, self.progress = spec, progress
+    def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True,
+                 use_cache: bool = True):
+        self.spec, self.progress, self.use_cache = spec, progress, use_cache
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
         prepared = prepare(spec, self.root)  # every input check, before any run is created
@@ -237,24 +311,28 @@ class PipelineRunner:
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
         self.rounds_trained = 0
+        self.run_id: str | None = None  # the pipeline's MLflow run once run() created or resumed it
         self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
 
     # ---- the pipeline --------------------------------------------------------------------------------------
-    def run(self, resume: str | None = None, parent: str | None = None,
-            tags: dict[str, str] | None = None) -> PipelineResult:
-        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`."""
+    def run(self, resume: str | None = None, parent: str | None = None, tags: dict[str, str] | None = None,
+            started: Callable[[str], None] = lambda run_id: None) -> PipelineResult:
+        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`;
+        `started(run_id)` is called as soon as the pipeline's run exists (a job's result file, a trial's record).
+        SIGINT or SIGTERM stop it after the current round with a checkpoint: its runs are KILLED, `--resume` goes on."""
         spec = self.spec
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
-            self.tracker.client.update_run(run_id, status="RUNNING")
+            self.tracker.resume(run_id)
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
                 spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra), {}
-        parent = run_id
+        self.run_id = parent = run_id
+        started(run_id)
         open_runs = [parent]
         try:
-            with self.tracker.system_metrics(parent, spec.tracking.system_metrics):
+            with self.tracker.system_metrics(parent, spec.tracking.system_metrics), stop_on_signals():
                 outcomes = self._stages(parent, previous_runs, open_runs)
             summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
                        for o in outcomes]
@@ -287,8 +365,8 @@ class PipelineRunner:
             before = stage
 
     def _checkpoints(self, parent: str, index: int) -> Path:
-        """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains."""
-        return self.root / "runs" / parent / f"{index}-{self.spec.stages[index].name}"
+        """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains (under root/runs)."""
+        return safe_path(self.root / "runs", parent, f"{index}-{self.spec.stages[index].name}")
 
     def _stage(self, i: int, key: str, before: FederatedStage | None) -> tuple[FederatedStage, ParamSplit, str]:
         """Stage i on the model as the previous stages left it: the algorithm's additions, its split, its cache key
@@ -298,7 +376,7 @@ class PipelineRunner:
         torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
         algorithm.prepare_model(self.model, self.data.feature_shape)
         split = apply_split(self.model, split_spec, dim)
-        key = stage_key(key, self.data, spec, i, split_spec, self.device.type)
+        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
         config = stage_spec.engine_config(spec.evaluation.every)
         bank = carry_bank(before, split.personal_names) if before is not None else None
         stage = FederatedStage(self.model, split.personal_names, self.data, algorithm, config, spec.seed, i, bank)
@@ -309,7 +387,9 @@ class PipelineRunner:
         for i, stage_spec in enumerate(spec.stages):
             stage, split, key = self._stage(i, key, before)
             earlier = previous_runs.get(i)
-            cached = self.cache.load(key)
+            if earlier is not None and earlier.info.status != "FINISHED":
+                self.tracker.resume(earlier.info.run_id)
+            cached = self.cache.load(key) if self.use_cache else None
             if cached is not None:
                 outcome = self._reuse(parent, i, stage, split, cached, key, earlier, before)
             else:
@@ -331,7 +411,7 @@ class PipelineRunner:
         last = checkpoints / "last.ckpt"
         if not resuming:
             self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
-        callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset)]
+        callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset), CheckpointOnStop(last)]
         if self.progress:
             callbacks.append(RoundProgress(f"[{index + 1}/{len(self.spec.stages)}] {name}"))
         trainer = self._trainer(stage, checkpoints, callbacks)
@@ -340,8 +420,6 @@ class PipelineRunner:
                 trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
         finally:
             self.rounds_trained += stage.rounds_run
-        if trainer.interrupted:
-            raise KeyboardInterrupt(f"stage {name} interrupted")
         peak = memory.bytes
         self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
                               "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
@@ -350,7 +428,7 @@ class PipelineRunner:
 
     def _reuse(self, parent: str, index: int, stage: FederatedStage, split: ParamSplit, cached: dict[str, Any],
                key: str, earlier: Any, before: FederatedStage | None) -> StageOutcome:
-        """A stage from the cache: load its state; log it as a new stage run (unless a resumed run has it)."""
+        """A stage from the cache: load its state; log it as a new stage run, or finish the resumed run's own."""
         stage.load_state_dict(cached["state"])
         stage.history, stage.comm_bytes = cached["history"], cached["comm_bytes"]
         stage.client_metrics = cached["client_metrics"]
@@ -358,6 +436,10 @@ class PipelineRunner:
         if earlier is not None and earlier.info.status == "FINISHED":
             return self._record(index, earlier.info.run_id, earlier.data.tags.get(CACHE_TAG, "hit"), stage, split,
                                 cached["peak_memory_bytes"], before, log=False)
+        if earlier is not None:  # the stage finished, its process died before recording it: record it in its run
+            run_id, cache = earlier.info.run_id, earlier.data.tags.get(CACHE_TAG, "hit")
+            self.tracker.log_history(run_id, stage.history)
+            return self._record(index, run_id, cache, stage, split, cached["peak_memory_bytes"], before)
         run_id = self.tracker.start_stage(parent, index, spec_stage.name, spec_stage.algorithm, {
             CACHE_TAG: "hit", "fedpilot.cache_key": key, "fedpilot.cache_source": cached["run_id"]})
         self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))

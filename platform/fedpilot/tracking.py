@@ -77,6 +77,18 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def close_orphans(uri: str, run_id: str, reason: str) -> None:
+    """A run whose process died, and its nested runs (stages; a search's trials and theirs): those still RUNNING
+    become KILLED with `reason` as their `fedpilot.error` tag, so no run is left RUNNING for ever."""
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    for child in client.search_runs([run.info.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{run_id}'"):
+        close_orphans(uri, child.info.run_id, reason)
+    if run.info.status == "RUNNING":
+        client.set_tag(run_id, "fedpilot.error", reason)
+        client.set_terminated(run_id, "KILLED")
+
+
 class RoundMetrics(Callback):
     """Logs each round's metrics (training stats, and evaluations when due) to a stage run; step = rounds done."""
 
@@ -92,6 +104,7 @@ class Tracker:
 
     def __init__(self, uri: str, experiment: str):
         self.uri = uri
+        self._logged: dict[str, dict[str, int]] = {}  # resumed run -> metric key -> last step its store holds
         with schema_init_lock(uri):
             self.client = MlflowClient(uri)
             found = self.client.get_experiment_by_name(experiment)
@@ -125,6 +138,14 @@ class Tracker:
                                        order_by=["attributes.start_time ASC"])
         return {int(r.data.tags["fedpilot.stage_index"]): r for r in runs if "fedpilot.stage_index" in r.data.tags}
 
+    def resume(self, run_id: str) -> None:
+        """Continue a run that a process stopped or lost: status RUNNING again, and every (metric, step) it already
+        holds is not logged a second time (rounds redone after its last checkpoint log each step exactly once)."""
+        run = self.client.get_run(run_id)
+        self._logged[run_id] = {key: max(m.step for m in self.client.get_metric_history(run_id, key))
+                                for key in run.data.metrics if not key.startswith("system/")}
+        self.client.update_run(run_id, status="RUNNING")
+
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_tag(run_id, key, value)
@@ -135,7 +156,10 @@ class Tracker:
             self.client.log_batch(run_id, params=items[i : i + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        items = [Metric(k, float(v), 0, step) for k, v in metrics.items() if np.isfinite(v)]
+        """Finite `metrics` at `step`, each (key, step) once: steps a resumed run already holds are skipped."""
+        held = self._logged.get(run_id, {})
+        items = [Metric(k, float(v), 0, step) for k, v in metrics.items()
+                 if np.isfinite(v) and step > held.get(k, -1)]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
 
@@ -152,13 +176,15 @@ class Tracker:
 
     @contextmanager
     def system_metrics(self, run_id: str, enabled: bool) -> Iterator[None]:
-        """MLflow's system metrics (CPU, memory, GPU when present) sampled into `run_id` while the block runs."""
+        """MLflow's system metrics (CPU, memory, GPU when present) sampled into `run_id` while the block runs; a
+        resumed run continues its steps."""
         if not enabled:
             yield
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.uri)
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.uri,
+                                       resume_logging=run_id in self._logged)
         monitor.start()
         try:
             yield

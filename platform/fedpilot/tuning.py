@@ -33,7 +33,7 @@ from sqlalchemy.exc import IntegrityError
 from fedpilot.errors import SpecError
 from fedpilot.pipeline import PipelineRunner
 from fedpilot.spec import Param, PipelineSpec, with_values
-from fedpilot.tracking import Tracker, schema_init_lock, tracking_uri
+from fedpilot.tracking import Tracker, close_orphans, schema_init_lock, tracking_uri
 
 LEASE_SECONDS = 30
 STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
@@ -179,13 +179,27 @@ class Search:
         self.tracker = Tracker(tracking_uri(spec.tracking.uri), spec.tracking.experiment or spec.name)
         self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
         self.rounds_trained = 0
+        self._closed: set[str] = set()  # runs of dead trials already marked KILLED
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
+        """Trials until the study has `trials` finished ones; the search run is RUNNING meanwhile, then FINISHED
+        (FAILED or KILLED if this process fails or is stopped)."""
+        self.tracker.client.update_run(self.run_id, status="RUNNING")
+        try:
+            result = self._trials()
+        except BaseException as err:
+            self.tracker.fail([self.run_id], err)
+            raise
+        self.tracker.finish(self.run_id)
+        return result
+
+    def _trials(self) -> SearchResult:
         deadline = time.monotonic() + self.search.timeout_s if self.search.timeout_s else math.inf
         while time.monotonic() < deadline:
             self.lease.acquire()
             fail_stale_trials(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
+            self._close_dead_trials()
             trials = self.study.get_trials(deepcopy=False, states=STARTED)
             waiting = any(t.state == TrialState.WAITING for t in trials)
             if waiting or len(trials) < self.trials:
@@ -216,18 +230,26 @@ class Search:
         start = time.perf_counter()
         try:
             result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
-                                                           "fedpilot.study": self.study_name})
+                                                           "fedpilot.study": self.study_name},
+                                started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id))
         except optuna.TrialPruned:
             self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
             raise
         finally:
             self.rounds_trained += runner.rounds_trained
         objectives = [self._value(result, o) for o in self.search.objective]
-        trial.set_user_attr("mlflow_run_id", result.run_id)
         self.echo(f"trial {trial.number}: {_short(values)} -> "
                   + ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True))
                   + f" ({time.perf_counter() - start:.1f} s)")
         return objectives[0] if len(objectives) == 1 else objectives
+
+    def _close_dead_trials(self) -> None:
+        """The MLflow runs of trials whose process died (failed as stale) are KILLED instead of RUNNING for ever."""
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            run_id = trial.user_attrs.get("mlflow_run_id")
+            if run_id and run_id not in self._closed:
+                close_orphans(self.tracker.uri, run_id, f"trial {trial.number}'s process died (no heartbeat)")
+                self._closed.add(run_id)
 
     def _pruning_callbacks(self, trial: optuna.Trial) -> Callable[[int], list[Callback]]:
         """Per trained stage (given its round offset in the pipeline): the pruning callback, if the objective allows."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -57,10 +58,20 @@ class FederatedData:
 
 
 def fingerprint(spec: DatasetSpec, seed: int) -> str:
-    """sha256 (16 hex chars) of everything that determines the tensors: spec, effective seed, FORMAT_VERSION."""
-    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION},
-                      sort_keys=True, separators=(",", ":"))
+    """sha256 (16 hex chars) of everything that determines the tensors: spec, effective seed, FORMAT_VERSION and
+    the data package's code (an edited partitioner or source builds anew)."""
+    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION,
+                       "code": _data_code()}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _data_code() -> str:
+    """sha256 of this package's source files."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
 
 
 def cache_root() -> Path:

@@ -16,9 +16,9 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies import DDPStrategy
 
-from engine_fixtures import TinyMLP, ToyData
+from engine_fixtures import TinyMLP, ToyData, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.models import build_model
 
 HEAD = ["head.weight", "head.bias"]
@@ -50,7 +50,7 @@ def train_cases(devices: int) -> dict[str, dict[str, Any]]:
         torch.manual_seed(0)
         config = StageConfig(rounds=3, clients_per_round=7, local=LocalConfig(epochs=1, batch_size=4, lr=0.1),
                              server=server, eval_every=3)
-        stage = FederatedStage(model_for(algorithm), personal, ToyData(), build_algorithm(algorithm, params), config,
+        stage = stage_for(model_for(algorithm), personal, ToyData(), build_algorithm(algorithm, params), config,
                                seed=3)
         strategy = DDPStrategy(forward_sync_buffers=False) if devices > 1 else "auto"
         trainer = L.Trainer(max_steps=stage.n_rounds, accelerator="cpu", devices=devices, strategy=strategy,

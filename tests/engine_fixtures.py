@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fedpilot.engine import FederatedStage
+from fedpilot.models.split import ParamSplit
 
 
 class ToyData:
@@ -48,6 +49,11 @@ class TinyCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+def stage_for(model: nn.Module, personal: list[str], *args, **kwargs) -> FederatedStage:
+    """A FederatedStage of `model` with the parameters named in `personal` personal."""
+    return FederatedStage(model, ParamSplit.of(model, personal), *args, **kwargs)
 
 
 def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:

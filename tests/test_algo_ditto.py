@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 from test_engine_equivalence import assert_close, run_stage
@@ -16,7 +16,7 @@ ALL = [n for n, _ in TinyMLP().named_parameters()]
 def ditto_stage(lam: float, algorithm: str = "ditto") -> FederatedStage:
     torch.manual_seed(0)
     names = ALL if algorithm == "ditto" else []
-    stage = FederatedStage(TinyMLP(), names, ToyData(), build_algorithm(algorithm, {"lam": lam} if names else {}),
+    stage = stage_for(TinyMLP(), names, ToyData(), build_algorithm(algorithm, {"lam": lam} if names else {}),
                            StageConfig(rounds=4, clients_per_round=6, local=LOCAL, eval_every=4), seed=5)
     fit(stage)
     return stage

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.func import functional_call
 
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine import LocalConfig, StageConfig
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 
 LR = 0.2
@@ -35,7 +35,7 @@ def test_fedrep_trains_the_head_then_the_body_with_the_new_head_and_averages_bod
     model, data = TinyMLP(), ToyData()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = StageConfig(rounds=1, local=LocalConfig(batch_size=64, lr=LR))  # full batches: one epoch = one GD step
-    stage = FederatedStage(model, HEAD, data, build_algorithm("fedrep", {"head_epochs": 2, "body_epochs": 1}), cfg)
+    stage = stage_for(model, HEAD, data, build_algorithm("fedrep", {"head_epochs": 2, "body_epochs": 1}), cfg)
     fit(stage)
     body_names = [n for n in start if n not in HEAD]
     clients = [gd_step(gd_step(gd_step(start, HEAD, data, i), HEAD, data, i), body_names, data, i)

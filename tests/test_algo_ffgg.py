@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.ffgg import alternations, byzantine_clients, draw_delays, robust_mean
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
@@ -197,7 +197,7 @@ def stage_of(algo: str, params: dict, rounds: int = 1, clients_per_round: int | 
     model = TinyMLP()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = StageConfig(rounds=rounds, clients_per_round=clients_per_round, local=FULL_BATCH, server={"lr": server_lr})
-    stage = FederatedStage(model, personal, data or ToyData(), build_algorithm(algo, params), cfg)
+    stage = stage_for(model, personal, data or ToyData(), build_algorithm(algo, params), cfg)
     fit(stage)
     return stage, start
 
@@ -276,7 +276,7 @@ def test_async_rounds_use_gradients_at_the_delayed_models():
         models.append({n: v - GAMMA * step[n] for n, v in models[-1].items()})
     assert used_stale
     assert_close(shared_of(stage), models[-1])
-    assert sorted(stage.algorithm.server_state["models"]) == [1, 2, 3]  # the last max_delay + 1 models
+    assert sorted(stage.server_state["models"]) == [2, 3]  # the last max_delay models (the next is the broadcast)
 
 
 def test_async_with_no_delay_is_ffgg():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_fixtures import ToyData, fit
+from engine_fixtures import ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.pfedgate import BlockGate
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.errors import SpecError
 from fedpilot.models import build_model
 from test_engine_equivalence import assert_close, run_stage
@@ -37,9 +37,11 @@ def test_selection_always_meets_the_budget_and_keeps_block_zero(s, blocks):
 
 
 def test_gates_and_importances_get_gradients_through_the_sparse_model():
-    model = gated_mlp(0.5)
+    model, algorithm = build_model("mlp", (16,), 4, hidden=[24]), build_algorithm("pfedgate", {"s": 0.5})
+    algorithm.prepare_model(model, (16,))
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    output = algorithm.forward(model, dict(model.named_parameters()), x)  # how pFedGate applies the model
+    torch.nn.functional.cross_entropy(output, y).backward()
     for name in ("gate.gates.weight", "gate.importance.weight", "body.1.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name  # importance: via the straight-through estimator
@@ -65,7 +67,7 @@ def test_uploads_are_sparse_and_recorded_per_client():
     torch.manual_seed(0)
     model = gated_mlp(0.3, 6)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("gate.")}
-    stage = FederatedStage(model, GATE, ToyData(), build_algorithm("pfedgate", {"s": 0.3, "blocks": 6}),
+    stage = stage_for(model, GATE, ToyData(), build_algorithm("pfedgate", {"s": 0.3, "blocks": 6}),
                            StageConfig(rounds=1, clients_per_round=1, local=LocalConfig(steps=1, batch_size=3)))
     fit(stage)
     changed = sum(int((p.detach() != before[n]).sum()) for n, p in model.named_parameters() if n in before)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.func import functional_call
 
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.pflego import Pflego
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
@@ -52,7 +52,7 @@ def one_round(params: dict, clients_per_round: int | None) -> tuple[FederatedSta
     model = TinyMLP()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = StageConfig(rounds=1, clients_per_round=clients_per_round, local=FULL_BATCH, server={"lr": RHO})
-    stage = FederatedStage(model, HEAD, ToyData(), build_algorithm("pflego", {"rho": RHO, **params}), cfg)
+    stage = stage_for(model, HEAD, ToyData(), build_algorithm("pflego", {"rho": RHO, **params}), cfg)
     fit(stage)
     return stage, start
 

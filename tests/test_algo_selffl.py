@@ -11,8 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from pydantic import ValidationError
 
-import fedpilot.engine.sequential  # noqa: F401  registers the test-only executor
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.selffl import (
     initial_point,
@@ -130,7 +129,7 @@ def selffl_stage(execution: str = "vmap", chunk: int = 7, rounds: int = 3, algor
     algo.prepare_model(model, (16,))
     cfg = StageConfig(rounds=rounds, clients_per_round=per_round, local=LOCAL, max_parallel_clients=chunk,
                       eval_every=rounds)
-    stage = FederatedStage(model, ALL, ToyData(), algo, cfg, seed=3)
+    stage = stage_for(model, ALL, ToyData(), algo, cfg, seed=3)
     stage.execution = execution
     return stage
 
@@ -140,7 +139,7 @@ def everything(stage: FederatedStage) -> dict[str, torch.Tensor]:
     return {**{f"global.{n}": p.detach() for n, p in stage.model.named_parameters()},
             **{f"bank.{n}": stage.bank.tensor(n) for n in ALL},
             **{f"state.{n}": stage.state_bank.tensor(n).double() for n in stage.state_bank.names},
-            "server.variance": stage.algorithm.server_state["variance"]}
+            "server.variance": stage.server_state["variance"]}
 
 
 @pytest.mark.parametrize("algorithm", ["selffl", "selffl_aug"])
@@ -164,7 +163,7 @@ def test_first_activation_trains_l_max_from_the_broadcast_and_weights_equally():
     assert torch.equal(state.tensor("steps")[cohort], torch.full((7,), 5.0))
     assert torch.equal(state.tensor("activations"), torch.zeros(12).index_fill(0, cohort, 1.0))
     assert float(state.tensor("variance").abs().max()) == 0.0  # one personal model seen: zero variance
-    assert float(stage.algorithm.server_state["sigma0_sq"]) > 0
+    assert float(stage.server_state["sigma0_sq"]) > 0
     # all variances 0: equal weights, and the new global model is (1 - C) old + C mean with C = 7 / 12
     for name, value in stage.model.named_parameters():
         mean = stage.bank.tensor(name)[cohort].mean(0)
@@ -177,7 +176,7 @@ def test_step_counts_adapt_per_client_and_follow_the_reported_variances():
     fit(stage)
     steps, activations = stage.state_bank.tensor("steps"), stage.state_bank.tensor("activations")
     variance = stage.state_bank.tensor("variance")
-    assert torch.equal(variance, stage.algorithm.server_state["variance"])  # the server's copy is the client's
+    assert torch.equal(variance, stage.server_state["variance"])  # the server's copy is the client's
     settled = activations >= 3  # two models seen before its last activation: a real variance estimate
     assert int(settled.sum()) >= 6
     assert len(set(steps[settled].tolist())) >= 3 and float(steps[settled].max()) < 20
@@ -203,4 +202,4 @@ def test_bad_params_and_a_stage_without_prepare_model_are_refused():
     with pytest.raises(ValidationError, match="optimum_steps"):
         build_algorithm("selffl_aug", {"optimum_steps": 0})
     with pytest.raises(RuntimeError, match="prepare_model"):
-        FederatedStage(TinyMLP(), ALL, ToyData(), build_algorithm("selffl"), StageConfig())
+        stage_for(TinyMLP(), ALL, ToyData(), build_algorithm("selffl"), StageConfig())

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fedpilot.engine.sequential  # noqa: F401  registers the test-only executor
-from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
-from fedpilot.algorithms import Algorithm, build_algorithm
-from fedpilot.engine import Cohort, FederatedStage, LocalConfig, StageConfig, Upload
+from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
+from fedpilot.algorithms import build_algorithm
+from fedpilot.api import Algorithm
+from fedpilot.engine import Cohort, LocalConfig, StageConfig, Upload
 from fedpilot.engine.local import choose_execution
 
 HEAD = ["head.weight", "head.bias"]
@@ -34,7 +34,7 @@ def run_stage(algo: str, personal: list[str] | None, params: dict, execution: st
     data = data or ToyData()
     cfg = StageConfig(rounds=4, clients_per_round=7, local=local, max_parallel_clients=chunk, eval_every=2)
     algorithm = build_algorithm(algo, params) if isinstance(algo, str) else algo
-    stage = FederatedStage(model, names, data, algorithm, cfg, seed=3)
+    stage = stage_for(model, names, data, algorithm, cfg, seed=3)
     stage.execution = execution
     fit(stage)
     shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
@@ -112,7 +112,7 @@ def test_gradients_and_client_state_match_sequential():
 
 
 def test_client_state_counts_each_clients_visits():
-    stage = FederatedStage(TinyMLP(), HEAD, ToyData(), GradientStep(),
+    stage = stage_for(TinyMLP(), HEAD, ToyData(), GradientStep(),
                            StageConfig(rounds=5, clients_per_round=4, local=LocalConfig(batch_size=4)), seed=1)
     fit(stage)
     visits = stage.state_bank.tensor("visits")

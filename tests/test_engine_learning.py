@@ -10,10 +10,10 @@ import statistics
 
 import torch
 
-from engine_fixtures import fit
+from engine_fixtures import fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data import DatasetSpec, build_federated_data
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig, carry_bank
+from fedpilot.engine import LocalConfig, StageConfig, carry_bank
 from fedpilot.models import apply_split, build_model
 
 
@@ -25,15 +25,15 @@ def three_stages(seed: int, cache_dir) -> tuple[float, float]:
     torch.manual_seed(seed)
     model = build_model("mlp", data.feature_shape, data.num_classes)
     local = LocalConfig(epochs=1, batch_size=10, lr=0.05)
-    pretrain = FederatedStage(model, [], data, build_algorithm("fedavg"),
+    pretrain = stage_for(model, [], data, build_algorithm("fedavg"),
                               StageConfig(rounds=100, clients_per_round=10, local=local, eval_every=100), seed, 0)
     fit(pretrain)
     head = apply_split(model, "output_layer").personal_names
-    personalize = FederatedStage(model, head, data, build_algorithm("fedalt", {"lr_v": 0.01}),
+    personalize = stage_for(model, head, data, build_algorithm("fedalt", {"lr_v": 0.01}),
                                  StageConfig(rounds=50, clients_per_round=10, local=local, eval_every=50), seed, 1,
                                  bank=carry_bank(pretrain, head))
     fit(personalize)
-    finetune = FederatedStage(model, head, data, build_algorithm("finetune"),
+    finetune = stage_for(model, head, data, build_algorithm("finetune"),
                               StageConfig(clients_per_round=50, local=LocalConfig(epochs=5, batch_size=10, lr=0.005)),
                               seed, 2, bank=carry_bank(personalize, head))
     fit(finetune)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit
+from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 from fedpilot.errors import SpecError
@@ -24,7 +24,7 @@ def trained_stage(threads: int, precision: str = "32-true", model_cls=TinyCNN, p
         config = StageConfig(rounds=rounds, clients_per_round=6, execution="loop", precision=precision,
                              eval_every=rounds, local=LocalConfig(epochs=1, batch_size=4, lr=0.1))
         data = ToyData(image=model_cls is TinyCNN)
-        stage = FederatedStage(model, list(personal), data, build_algorithm(algorithm), config, seed=1)
+        stage = stage_for(model, list(personal), data, build_algorithm(algorithm), config, seed=1)
         fit(stage)
         return stage
     finally:

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from engine_fixtures import TinyMLP, ToyData, fit
+from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import Cohort, FederatedStage, LocalConfig, ServerConfig, StageConfig
 
@@ -18,7 +18,7 @@ def make_stage(rounds: int = 6, algo: str = "fedalt", server: ServerConfig | Non
     torch.manual_seed(0)
     cfg = StageConfig(rounds=rounds, clients_per_round=5, local=LocalConfig(epochs=1, batch_size=4, lr=0.1),
                       server=server or ServerConfig(lr=0.7, momentum=0.9), eval_every=2)
-    return FederatedStage(TinyMLP(), personal, ToyData(), build_algorithm(algo), cfg, seed=1)
+    return stage_for(TinyMLP(), personal, ToyData(), build_algorithm(algo), cfg, seed=1)
 
 
 def state(stage: FederatedStage) -> dict[str, torch.Tensor]:

@@ -143,10 +143,13 @@ def test_regex_split_and_param_split_helpers():
     model = small("mlp")
     split = apply_split(model, [r"body\.1\..*", r"head\.bias"])
     assert split.personal_names == ["body.1.weight", "body.1.bias", "head.bias"]
-    assert split.is_personal("head.bias") and not split.is_personal("head.weight")
-    shared, personal = split.split(dict(model.named_parameters()))
-    assert list(shared) == split.shared_names and list(personal) == split.personal_names
-    assert "personal parameters per client" in split.describe()
+    assert split.shared_names == [
+        n for n, _ in model.named_parameters() if n not in split.personal_names]
+    params = dict(model.named_parameters())
+    assert split.head == {"head.weight": "weight", "head.bias": "bias"} and split.head_only(["head.bias"])
+    assert not split.head_only(split.personal_names)
+    assert split.from_head(split.in_head(params)) == {n: params[n] for n in split.head}
+    assert set(split.in_body(params)) == {n.removeprefix("body.") for n in params if n.startswith("body.")}
 
 
 def test_spec_errors():

@@ -20,12 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import RoundClock, Workload, build_model, contender_args, load_data, report  # noqa: E402
 
-import fedpilot.engine.sequential  # noqa: E402,F401  registers the sequential executor
 from fedpilot.algorithms import build_algorithm  # noqa: E402
 from fedpilot.data import FederatedData  # noqa: E402
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
 from fedpilot.engine.local import choose_execution  # noqa: E402
 from fedpilot.models import build_model as zoo_model  # noqa: E402
+from fedpilot.models.split import ParamSplit  # noqa: E402
 
 
 def federated_data(work: Workload) -> FederatedData:
@@ -48,7 +48,8 @@ def stage_for(work: Workload, rounds: int, execution: str = "auto", precision: s
     config = StageConfig(rounds=rounds + 1, clients_per_round=work.clients_per_round, eval_every=rounds + 1,
                          precision=precision,
                          local=LocalConfig(epochs=work.epochs, batch_size=work.batch_size, lr=work.lr))
-    stage = FederatedStage(model, [], federated_data(work), build_algorithm("fedavg"), config, seed=work.seed)
+    stage = FederatedStage(model, ParamSplit.of(model, []), federated_data(work), build_algorithm("fedavg"), config,
+                           seed=work.seed)
     stage.execution = execution  # "sequential" is the tests' reference, not a spec value
     return stage
 

@@ -41,10 +41,9 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.data import FederatedData, build_federated_data
 from fedpilot.data.federated import cache_root
 from fedpilot.data.summary import describe
-from fedpilot.engine import FederatedStage, carry_bank
-from fedpilot.engine.aggregate import splits_across_processes
 from fedpilot.engine.memory import release_freed_memory
 from fedpilot.engine.metrics import distribution
+from fedpilot.engine.stage import FederatedStage, carry_bank, splits_across_processes
 from fedpilot.errors import SpecError
 from fedpilot.models import ParamSplit, apply_split, build_model
 from fedpilot.names import safe_path
@@ -379,7 +378,7 @@ class PipelineRunner:
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
         config = stage_spec.engine_config(spec.evaluation.every)
         bank = carry_bank(before, split.personal_names) if before is not None else None
-        stage = FederatedStage(self.model, split.personal_names, self.data, algorithm, config, spec.seed, i, bank)
+        stage = FederatedStage(self.model, split, self.data, algorithm, config, spec.seed, i, bank)
         return stage, split, key
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:

@@ -14,10 +14,14 @@ paper's pseudo-code orders them (the two updates are independent given w^t).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
 
 
 class DittoParams(AlgorithmParams):

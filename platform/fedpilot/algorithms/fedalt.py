@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
 
 
 class FedAltParams(AlgorithmParams):

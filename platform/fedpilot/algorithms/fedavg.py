@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from fedpilot.algorithms.base import Algorithm
-from fedpilot.engine import Cohort, Upload
+from typing import TYPE_CHECKING
+
+from fedpilot.api import Algorithm, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
 
 
 class FedAvg(Algorithm):

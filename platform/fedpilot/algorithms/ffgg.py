@@ -58,17 +58,23 @@ Choices the paper leaves open (each one tested in tests/test_algo_ffgg.py):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, LocalConfig, Upload
-from fedpilot.engine.batches import round_generator
-from fedpilot.engine.local import Params
+from fedpilot.api import (
+    Aggregator,
+    Algorithm,
+    AlgorithmParams,
+    Cohort,
+    LocalConfig,
+    Params,
+    RoundInfo,
+    Upload,
+    WeightedMean,
+    round_generator,
+)
 
 DELAYS, ATTACK_NOISE, BUCKETS, BYZANTINES = 1, 2, 3, 4  # tags of the seeded generators (never a plan's phase key)
 
@@ -153,7 +159,7 @@ class LocalFfgg(Stateless):
 
     def local_update(self, cohort: Cohort) -> Upload:
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau)  # Algorithm 2
-        budget = alternations(cohort.work.local, cohort.work.sizes[cohort.cohort_clients].cpu(), self.p.alt_steps)
+        budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.p.alt_steps)
         theta = None
         for k in range(int(budget.max())):
             active = (budget > k).long()
@@ -175,15 +181,29 @@ class AsyncFfgg(Ffgg):
     name = "ffgg_async"
     Params = AsyncFfggParams
 
+    def aggregator(self) -> RecentModels:
+        return RecentModels(self.p.max_delay)
+
     def client_model(self, cohort: Cohort) -> Params:
-        models = self.server_state.setdefault("models", {})
-        if cohort.round not in models:
-            models[cohort.round] = {n: v.clone() for n, v in cohort.shared.items()}
-            for old in [r for r in models if r < cohort.round - self.p.max_delay]:
-                del models[old]
-        delays = draw_delays(cohort.work.seed_key, cohort.cohort_size, self.p.max_delay)[cohort.rows]
+        models = {**cohort.server_state.get("models", {}), cohort.round: cohort.shared}
+        delays = draw_delays(cohort.round_key, cohort.cohort_size, self.p.max_delay)[cohort.rows]
         origin = (cohort.round - delays).clamp_min(min(models))
         return {n: torch.stack([models[int(r)][n] for r in origin]) for n in cohort.shared}
+
+
+class RecentModels(WeightedMean):
+    """FFGG's mean of the round's gradients; the server also keeps the models it broadcast in the last
+    `max_delay` rounds (server state `models`, round -> parameters) for the clients that work at stale ones."""
+
+    def __init__(self, max_delay: int):
+        super().__init__()
+        self.max_delay = max_delay
+
+    def result(self, info: RoundInfo, state: dict) -> tuple[Params, dict]:
+        kept = {r: m for r, m in state.get("models", {}).items() if r > info.round - self.max_delay}
+        if self.max_delay:
+            kept[info.round] = {n: v.clone() for n, v in info.broadcast.items()}
+        return self.normalized(), {**state, "models": kept}
 
 
 def draw_delays(round_key: tuple[int, ...], cohort_size: int, max_delay: int) -> torch.Tensor:
@@ -198,18 +218,12 @@ class RobustFfgg(Ffgg):
     name = "ffgg_robust"
     Params = RobustFfggParams
 
-    def __init__(self, params: RobustFfggParams | dict | None = None):
-        super().__init__(params)
-        self.round_key: tuple[int, ...] = (0, 0, 0)  # the current round's (seed, stage, round), for the aggregator
-
-    @property
-    def aggregator(self) -> partial[RobustAggregate]:
-        return partial(RobustAggregate, self.p.rule, self.p.bucket_size, self.p.trim, lambda: self.round_key)
+    def aggregator(self) -> RobustAggregate:
+        return RobustAggregate(self.p.rule, self.p.bucket_size, self.p.trim)
 
     def local_update(self, cohort: Cohort) -> Upload:
-        self.round_key = cohort.work.seed_key
         upload = super().local_update(cohort)
-        seed, stage = cohort.work.seed_key[:2]
+        seed, stage = cohort.round_key[:2]
         byzantine = byzantine_clients(seed, stage, cohort.n_clients, self.p.byzantine_fraction)
         bad = torch.isin(cohort.clients.cpu(), byzantine).to(cohort.weights.device)
         sent = self.attack(cohort, upload.grad)
@@ -221,7 +235,7 @@ class RobustFfgg(Ffgg):
         scale = self.p.attack_scale
         if self.p.attack == "sign_flip":
             return {n: -scale * g for n, g in grads.items()}
-        gen = round_generator(*cohort.work.seed_key, 0, ATTACK_NOISE)
+        gen = round_generator(*cohort.round_key, 0, ATTACK_NOISE)
         return {n: scale * torch.randn((cohort.cohort_size, *g.shape[1:]), generator=gen)[cohort.rows].to(g)
                 for n, g in grads.items()}
 
@@ -232,22 +246,22 @@ def byzantine_clients(seed: int, stage: int, n_clients: int, fraction: float) ->
     return torch.randperm(n_clients, generator=round_generator(seed, stage, 0, 0, BYZANTINES))[:count]
 
 
-class RobustAggregate:
+class RobustAggregate(Aggregator):
     """Collects every gradient upload of the round, then bucketing + a coordinate-wise rule (`robust_mean`)."""
 
-    def __init__(self, rule: str, bucket_size: int, trim: float, round_key: Callable[[], tuple[int, ...]]) -> None:
-        self.rule, self.bucket_size, self.trim, self.round_key = rule, bucket_size, trim, round_key
+    def __init__(self, rule: str, bucket_size: int, trim: float) -> None:
+        self.rule, self.bucket_size, self.trim = rule, bucket_size, trim
         self.uploads: list[Params] = []
         self.upload_bytes = 0
 
-    def add(self, upload: Upload, broadcast: Params, default_weight: torch.Tensor) -> None:
+    def add(self, upload: Upload, info: RoundInfo) -> None:
         self.uploads.append(upload.grad)
         self.upload_bytes += sum(g.numel() * g.element_size() for g in upload.grad.values())
 
-    def result(self) -> Params:
+    def result(self, info: RoundInfo, state: dict) -> tuple[Params, dict]:
         stacked = {n: torch.cat([u[n] for u in self.uploads]) for n in self.uploads[0]}
-        gen = round_generator(*self.round_key(), 0, BUCKETS)
-        return robust_mean(stacked, self.rule, self.bucket_size, self.trim, gen)
+        gen = round_generator(*info.key, 0, BUCKETS)
+        return robust_mean(stacked, self.rule, self.bucket_size, self.trim, gen), state
 
 
 def robust_mean(values: Params, rule: str, bucket_size: int, trim: float, gen: torch.Generator) -> Params:

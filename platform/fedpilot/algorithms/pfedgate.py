@@ -39,11 +39,7 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, Upload
-from fedpilot.errors import SpecError
-
-Params = dict[str, torch.Tensor]
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Params, SpecError, Upload
 
 
 class BlockGate(nn.Module):
@@ -134,14 +130,21 @@ class PFedGate(Algorithm):
         return [r"gate\..*"]
 
     def prepare_model(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:
-        """Give the model its gating layer (once; a later pFedGate stage reuses it)."""
-        if getattr(model, "gate", None) is not None:
+        """Give the model its gating layer `gate` (once; a later pFedGate stage reuses it)."""
+        if isinstance(getattr(model, "gate", None), BlockGate):
             return
         if not hasattr(model, "body") or not hasattr(model, "head"):
             raise SpecError("model", type(model).__name__, "pFedGate needs a fedpilot model (body -> head)")
         shapes = {n: p.shape for n, p in model.named_parameters()}
         like = next(model.parameters())
         model.gate = BlockGate(math.prod(input_shape), shapes, self.p.blocks, self.p.s, self.p.s_min).to(like.device)
+
+    def forward(self, model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+        """The model with its weights scaled block-wise by this batch's sparse gated weights M~ (Eq. 6); `params`
+        holds the client's gate (`gate.*`) next to the model's own parameters."""
+        gate = {n.removeprefix("gate."): v for n, v in params.items() if n.startswith("gate.")}
+        weights = {n: v for n, v in params.items() if not n.startswith("gate.")}
+        return functional_call(model, functional_call(model.gate, gate, (weights, x)), (x,))
 
     def client_state(self) -> dict[str, torch.Tensor]:
         return {"model_density": torch.zeros(()), "upload_density": torch.zeros(()), "upload_bytes": torch.zeros(())}
@@ -159,12 +162,7 @@ class PFedGate(Algorithm):
 
     def _density(self, cohort: Cohort) -> torch.Tensor:
         """Each client's kept fraction of the shared model on its first training batch, with its own gate."""
-        work = cohort.work
-        gate = {n[len("gate."):]: v for n, v in cohort.personal.items()}
-        width = int(work.local.batch_size)
-        take = torch.arange(width, device=work.x.device)
-        sizes, starts = work.sizes[cohort.clients], work.offsets[cohort.clients]
-        rows = starts[:, None] + torch.minimum(take[None], (sizes[:, None] - 1).clamp_min(0))
-        module = _Density(work.model.gate)
+        gate = {n.removeprefix("gate."): v for n, v in cohort.personal.items()}
+        module = _Density(cohort.model.gate)
         return vmap(lambda p, xb: functional_call(module, {f"gate.{n}": v for n, v in p.items()}, (xb,)))(
-            gate, work.x[rows])
+            gate, cohort.train_inputs(cohort.local.batch_size))

@@ -41,9 +41,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, Upload, WeightedMean
-from fedpilot.engine.local import Params
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload, WeightedMean
+
+Params = dict[str, torch.Tensor]
 
 
 class PflegoParams(AlgorithmParams):
@@ -61,7 +61,7 @@ class PflegoParams(AlgorithmParams):
 class WeightedSum(WeightedMean):
     """Sum over the round's clients of weight_i * upload_i (no division by the total weight)."""
 
-    def result(self) -> Params:
+    def normalized(self) -> Params:
         return dict(self.total)
 
 
@@ -70,21 +70,23 @@ class Pflego(Algorithm):
 
     name = "pflego"
     Params = PflegoParams
-    aggregator = WeightedSum
+
+    def aggregator(self) -> WeightedSum:
+        return WeightedSum()
 
     def local_update(self, cohort: Cohort) -> Upload:
         if self.p.tau > 1:
             cohort.personal = cohort.sgd("personal", lr=self.p.beta, steps=self.p.tau - 1).personal
         grads = cohort.gradient("all", steps=1)
         scale = unbiased_weights(cohort)
-        rate = self.p.rho if self.p.rho is not None else (self.p.beta or cohort.work.local.lr) * cohort.work.lr_factor
+        rate = self.p.rho if self.p.rho is not None else (self.p.beta or cohort.local.lr) * cohort.lr_factor
         cohort.personal = {n: v - rate * _rows(scale, v) * grads[n] for n, v in cohort.personal.items()}
         return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=scale)
 
 
 def unbiased_weights(cohort: Cohort) -> torch.Tensor:
     """alpha_i * I / r for the cohort's clients [K]: data share times inverse participation probability."""
-    alpha = cohort.weights / cohort.work.sizes.sum().to(cohort.weights.dtype)
+    alpha = cohort.weights / cohort.total_train_samples
     return alpha * (cohort.n_clients / cohort.cohort_size)
 
 

@@ -57,16 +57,13 @@ last l_m), `variance` (s_m) and `activations`; the running means `mean.NAME` dou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from pydantic import Field
 
-from fedpilot.algorithms.base import Algorithm, AlgorithmParams
-from fedpilot.engine import Cohort, Upload
+from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, Cohort, Params, RoundInfo, Upload
 
-Params = dict[str, torch.Tensor]
 VARIANCE_FLOOR = 1e-12
 
 
@@ -130,33 +127,33 @@ class SelfFLUpload(Upload):
     optimum: Params | None = None
 
 
-class PrecisionMean:
-    """Server side (Eqs. 14, 11 and the smoothing): keeps the round's uploads, then weights them by precision."""
+class PrecisionMean(Aggregator):
+    """Server side (Eqs. 14, 11 and the smoothing): keeps the round's uploads, then weights them by precision.
+    Server state: `variance` (the last s_k each client reported, [n_clients]) and `sigma0_sq` (s0)."""
 
-    def __init__(self, algorithm: SelfFL):
-        self.algorithm = algorithm
+    def __init__(self, smoothing: bool):
+        self.smoothing = smoothing
         self.uploads: list[SelfFLUpload] = []
-        self.broadcast: Params = {}
         self.upload_bytes = 0
 
-    def add(self, upload: SelfFLUpload, broadcast: Params, default_weight: torch.Tensor) -> None:
+    def add(self, upload: SelfFLUpload, info: RoundInfo) -> None:
         self.uploads.append(upload)
-        self.broadcast = broadcast
         for models in (upload.shared, upload.optimum or {}):
             self.upload_bytes += sum(v.numel() * v.element_size() for v in models.values())
         self.upload_bytes += upload.variance.numel() * upload.variance.element_size()
 
-    def result(self) -> Params:
-        models = {n: torch.cat([u.shared[n] for u in self.uploads]) for n in self.broadcast}
-        optima = {n: torch.cat([(u.optimum or u.shared)[n] for u in self.uploads]) for n in self.broadcast}
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+        broadcast = info.broadcast
+        models = {n: torch.cat([u.shared[n] for u in self.uploads]) for n in broadcast}
+        optima = {n: torch.cat([(u.optimum or u.shared)[n] for u in self.uploads]) for n in broadcast}
         variance = torch.cat([u.variance for u in self.uploads]).cpu()
-        state = self.algorithm.server_state
-        if len(variance) >= 2:
-            state["sigma0_sq"] = trace_variance(optima)
-        target = precision_mean(models, precision(variance, state["sigma0_sq"]))
-        state["variance"][torch.cat([u.clients for u in self.uploads]).cpu()] = variance.double()
-        activity = len(variance) / len(state["variance"]) if self.algorithm.p.smoothing else 1.0
-        return {n: activity * (self.broadcast[n] - target[n]) for n in self.broadcast}
+        sigma0_sq = trace_variance(optima) if len(variance) >= 2 else state["sigma0_sq"]
+        target = precision_mean(models, precision(variance, sigma0_sq))
+        reported = state["variance"].clone()
+        reported[torch.cat([u.clients for u in self.uploads]).cpu()] = variance.double()
+        activity = len(variance) / info.n_clients if self.smoothing else 1.0
+        step = {n: activity * (broadcast[n] - target[n]) for n in broadcast}
+        return step, {**state, "variance": reported, "sigma0_sq": sigma0_sq}
 
 
 class SelfFLParams(AlgorithmParams):
@@ -181,9 +178,12 @@ class SelfFL(Algorithm):
     def personal_part(self) -> str | None:
         return "all"
 
-    @property
-    def aggregator(self):
-        return partial(PrecisionMean, self)
+    def aggregator(self) -> PrecisionMean:
+        return PrecisionMean(self.p.smoothing)
+
+    def server_state(self, n_clients: int) -> dict[str, Any]:
+        """Each client's last reported variance (0 before its first report: the paper's initial s) and s0."""
+        return {"variance": torch.zeros(n_clients, dtype=torch.float64), "sigma0_sq": 0.0}
 
     def prepare_model(self, model: torch.nn.Module, input_shape: tuple[int, ...]) -> None:
         """Nothing is added to the model; the parameter shapes size the running means of the client state."""
@@ -212,15 +212,13 @@ class SelfFL(Algorithm):
     def client_plan(self, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
         """From (s0, P) and the reported variances: l_m of the whole cohort (Eq. 8; the engine's batch plan
         spans every chunk) and this chunk's Eq. 10 coefficients w_m / W_-m (0 at a first activation)."""
-        state = self.server_state
-        if "variance" not in state:
-            state.update(variance=torch.zeros(cohort.n_clients, dtype=torch.float64), sigma0_sq=0.0)
+        state = cohort.server_state
         everyone = cohort.cohort_clients.cpu()
         variance, sigma0_sq = state["variance"][everyone], state["sigma0_sq"]
         own = precision(variance, sigma0_sq)
         others = precision(state["variance"], sigma0_sq).sum() - own  # W_-m = P - w_m
-        work = cohort.work
-        lr = work.local.lr * work.lr_factor / work.sizes[cohort.cohort_clients].cpu().double()  # on the summed loss
+        sizes = cohort.train_samples(cohort.cohort_clients).cpu().double()
+        lr = cohort.local.lr * cohort.lr_factor / sizes  # the step on the summed loss
         steps = local_steps(variance, others, lr, self.p.l_max)
         first = cohort.state["activations"].cpu() == 0
         coefficient = (own / others)[cohort.rows].masked_fill(first, 0.0)

@@ -45,11 +45,6 @@ class FederatedData:
         sizes = {k: v.to(device) for k, v in self.sizes.items()}
         return replace(self, x=self.x.to(device), y=self.y.to(device), offsets=offsets, sizes=sizes)
 
-    def split_indices(self, split: str, client: int) -> torch.Tensor:
-        """Row indices into x / y of one client's split."""
-        start = int(self.offsets[split][client])
-        return torch.arange(start, start + int(self.sizes[split][client]), device=self.y.device)
-
     def state(self) -> dict:
         """What the cache stores: tensors and plain Python values only (loadable with weights_only=True)."""
         return {"x": self.x, "y": self.y, "offsets": self.offsets, "sizes": self.sizes,

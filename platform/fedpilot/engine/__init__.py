@@ -1,10 +1,23 @@
-"""The vectorized federated engine: cohorts, local SGD executors, aggregation, the stage LightningModule."""
+"""The vectorized federated engine: cohorts, local SGD executors, aggregation, the stage LightningModule.
 
-from fedpilot.engine.aggregate import WeightedMean
-from fedpilot.engine.cohort import Cohort, Local, Upload
-from fedpilot.engine.config import LocalConfig, LrSchedule, ServerConfig, StageConfig
-from fedpilot.engine.metrics import distribution
-from fedpilot.engine.stage import FederatedStage, carry_bank
+Importing the package imports nothing heavy; each name below loads its module (and torch) on first use, so the
+torch-free contracts in `fedpilot.engine.protocol` and `fedpilot.engine.config` stay cheap to import.
+"""
 
-__all__ = ["Cohort", "FederatedStage", "Local", "LocalConfig", "LrSchedule", "ServerConfig", "StageConfig",
-           "Upload", "WeightedMean", "carry_bank", "distribution"]
+from importlib import import_module
+from typing import Any
+
+_WHERE = {
+    "Cohort": "cohort", "Local": "cohort", "FederatedStage": "stage", "carry_bank": "stage",
+    "WeightedMean": "aggregate", "distribution": "metrics",
+    "Algorithm": "protocol", "AlgorithmParams": "protocol", "Aggregator": "protocol",
+    "ReducibleAggregator": "protocol", "RoundInfo": "protocol", "Upload": "protocol",
+    "LocalConfig": "config", "LrSchedule": "config", "ServerConfig": "config", "StageConfig": "config",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)

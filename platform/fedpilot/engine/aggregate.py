@@ -7,17 +7,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fedpilot.engine.cohort import Upload
 from fedpilot.engine.local import Params
+from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
 
 
-class WeightedMean:
+class WeightedMean(ReducibleAggregator):
     """Weighted mean of client deltas (broadcast - new shared) or gradients, streamed over chunks.
 
     With a mask, each entry is averaged over the clients that sent it (per-index aggregation);
     an entry nobody sent gets a zero pseudo-gradient. The state is sums, so DDP processes that each aggregated
     a slice of the cohort combine by `all_reduce`; a subclass whose `result` is not a function of these sums
-    must not inherit it.
+    must derive from Aggregator instead.
     """
 
     def __init__(self) -> None:
@@ -25,11 +25,10 @@ class WeightedMean:
         self.weight: Params = {}
         self.upload_bytes = 0
 
-    def add(self, upload: Upload, broadcast: Params, default_weight: torch.Tensor) -> None:
-        weight = upload.weight if upload.weight is not None else default_weight
+    def add(self, upload: Upload, info: RoundInfo) -> None:
         values = upload.grad if upload.grad is not None else upload.shared
         for name, value in values.items():
-            w = weight.to(value.dtype)
+            w = upload.weight.to(value.dtype)
             mask = upload.mask.get(name) if upload.mask is not None else None
             if mask is None:
                 total, w_sum = torch.tensordot(w, value, dims=1), w.sum()  # no [K, ...] temporaries
@@ -39,17 +38,21 @@ class WeightedMean:
                 total, w_sum = (w * value).sum(0), w.sum(0)
                 self.upload_bytes += int(mask.sum()) * value.element_size()
             if upload.grad is None:  # deltas: sum_k w_k (broadcast - shared_k)
-                total = w_sum * broadcast[name] - total
+                total = w_sum * info.broadcast[name] - total
             self.total[name] = self.total.get(name, 0) + total
             self.weight[name] = self.weight.get(name, 0) + w_sum
 
-    def result(self) -> Params:
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+        return self.normalized(), state
+
+    def normalized(self) -> Params:
+        """The weighted sums divided by their weights."""
         return {n: t / torch.as_tensor(self.weight[n]).clamp_min(1e-12) for n, t in self.total.items()}
 
-    def all_reduce(self, broadcast: Params, device: torch.device) -> None:
+    def all_reduce(self, info: RoundInfo, device: torch.device) -> None:
         """Sum the totals, weights and upload bytes of every DDP process into each, so that `result()` is the
         whole cohort's everywhere. Weights are expanded to their parameter's shape (a process may hold none)."""
-        names = list(broadcast)
+        names = list(info.broadcast)
         counts = [float(name in self.total) for name in names] + [float(self.upload_bytes)]
         sent = torch.tensor(counts, dtype=torch.float64, device=device)
         dist.all_reduce(sent)
@@ -57,20 +60,9 @@ class WeightedMean:
         for i, name in enumerate(names):
             if sent[i] == 0:  # no process got this parameter from any client
                 continue
-            total = self.total.get(name, torch.zeros_like(broadcast[name]))
+            total = self.total.get(name, torch.zeros_like(info.broadcast[name]))
             weight = torch.as_tensor(self.weight.get(name, 0.0), dtype=total.dtype, device=total.device)
             weight = weight.expand_as(total).contiguous()
             dist.all_reduce(total)
             dist.all_reduce(weight)
             self.total[name], self.weight[name] = total, weight
-
-
-def new_aggregate(algorithm: Any) -> Any:
-    """A fresh server-side aggregate for one round: the algorithm's `aggregator`, else a WeightedMean."""
-    return getattr(algorithm, "aggregator", WeightedMean)()
-
-
-def splits_across_processes(algorithm: Any) -> bool:
-    """Whether the algorithm's aggregate is made of sums that DDP processes can all-reduce (a cohort split across
-    devices); an aggregate that keeps every upload (robust rules, precision weights) runs in one process."""
-    return hasattr(new_aggregate(algorithm), "all_reduce")

@@ -32,10 +32,6 @@ class BatchPlan:
     def to(self, device: torch.device) -> BatchPlan:
         return BatchPlan(self.index.to(device), self.weight.to(device), self.active.to(device))
 
-    @property
-    def steps(self) -> int:
-        return self.index.shape[1]
-
 
 def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generator) -> torch.Tensor:
     """`repeats` random orderings of each client's positions 0..n_k-1, padded past n_k: [K, repeats, width]."""

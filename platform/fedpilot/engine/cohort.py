@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -12,49 +14,47 @@ from torch.func import functional_call
 from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.local import (
-    EXECUTORS,
     Batches,
+    LoopExecutor,
     Params,
     StepRule,
     TrainStats,
+    VmapExecutor,
     choose_execution,
     precision_context,
 )
+from fedpilot.engine.sequential import SequentialExecutor
+from fedpilot.engine.task import Task
+from fedpilot.models.split import ParamSplit
 
 Part = Literal["personal", "shared", "all"]
+Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
+EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor, "sequential": SequentialExecutor}
 
 
-@dataclass
-class Upload:
-    """What a cohort sends to the server; every tensor has a leading client dimension [K, ...].
-
-    shared: the clients' new shared parameters (the engine turns them into deltas from the broadcast).
-    grad:   or gradients of the shared parameters (PFLEGO).
-    mask:   optional 0/1 per entry for sparse uploads; the server then averages each entry over the
-            clients that sent it (pFedGate's per-index aggregation).
-    weight: aggregation weight of each client; default its number of training samples.
-    """
-
-    shared: Params | None = None
-    grad: Params | None = None
-    mask: Params | None = None
-    weight: torch.Tensor | None = None
+def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with `params`."""
+    return functional_call(module, params, (x,))
 
 
 @dataclass
 class RoundWork:
-    """Everything the engine fixes for one round: data, model, local settings, seeds, executor."""
+    """Everything the engine fixes for one round: data, model and how it is applied, task, local settings, seeds,
+    executor, the split, and the server's state as the round starts."""
 
     model: nn.Module
+    forward: Forward
+    task: Task
     x: torch.Tensor
     y: torch.Tensor
     offsets: torch.Tensor
     sizes: torch.Tensor
     local: LocalConfig
     lr_factor: float
-    seed_key: tuple[int, ...]
+    seed_key: tuple[int, int, int]
     executor: str
-    personal_names: list[str]
+    split: ParamSplit
+    server_state: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
 
@@ -74,8 +74,7 @@ class RoundWork:
 
     def head_only(self, names: list[str]) -> bool:
         """Whether `names` are all head parameters while the body is entirely shared."""
-        return all(n.startswith("head.") for n in names) and all(
-            n.startswith("head.") for n in self.personal_names)
+        return self.split.head_only(names) and self.split.head_only(self.split.personal_names)
 
 
 @dataclass
@@ -89,22 +88,30 @@ class Local:
 class Cohort:
     """The clients sampled in a round (or one chunk of them), as one value.
 
-    `shared` is the broadcast global model (no client dimension); `personal` holds each client's
-    personal parameters [K, ...]; `personal_init` is the stage's starting personal value (for stateless
-    variants and L2 pulls); `weights` are the clients' training sample counts.
+    Read and write: `personal`, each client's personal parameters [K, ...] (set it to keep new ones), and
+    `state`, the algorithm's per-client state [K, ...] (Algorithm.client_state; set it to keep a new one).
+    Read only: `clients` (ids of this chunk), `rows` (their rows in the whole cohort `cohort_clients`), `shared`
+    (the broadcast global model, no client dimension), `personal_init` (the stage's starting personal value, for
+    stateless variants and L2 pulls), `weights` (the clients' train sample counts), `server_state` (the server's
+    state as the round started), and the properties below. `sgd` and `gradient` run the engine's local work.
     """
 
     def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice, cohort_clients: torch.Tensor,
                  shared: Params, personal: Params, personal_init: Params, state: Params | None = None):
         self.work, self.clients, self.rows, self.cohort_clients = work, clients, rows, cohort_clients
         self.shared, self.personal, self.personal_init = shared, personal, personal_init
-        self.state = state or {}  # the algorithm's per-client state [K, ...] (Algorithm.client_state), kept by the engine
+        self.state = state or {}
         self.weights = work.sizes[clients].to(torch.float32)
         self.stats = TrainStats.zeros(len(clients), work.x.device)
         self._phase = 0
 
     def __len__(self) -> int:
         return len(self.clients)
+
+    @property
+    def round_key(self) -> tuple[int, int, int]:
+        """(seed, stage index, round index): seed an algorithm's own random draws of this round with it."""
+        return self.work.seed_key
 
     @property
     def round(self) -> int:
@@ -121,6 +128,43 @@ class Cohort:
         """Clients sampled this round (r), over all chunks."""
         return len(self.cohort_clients)
 
+    @property
+    def model(self) -> nn.Module:
+        """The stage's model: its modules (e.g. one an algorithm added in prepare_model), not the clients' values,
+        which are `shared` and `personal`."""
+        return self.work.model
+
+    @property
+    def local(self) -> LocalConfig:
+        """The stage's `local` block (epochs or steps, batch size, lr, schedule, clipping, weight decay)."""
+        return self.work.local
+
+    @property
+    def lr_factor(self) -> float:
+        """The learning-rate schedule's factor for this round (`local.lr * lr_factor` is the round's client lr)."""
+        return self.work.lr_factor
+
+    @property
+    def server_state(self) -> Mapping[str, Any]:
+        """The server's state (Algorithm.server_state, then each round's aggregate result) as this round started."""
+        return MappingProxyType(dict(self.work.server_state))
+
+    @property
+    def total_train_samples(self) -> int:
+        """Training samples of the whole federation (sum over all clients of N_i)."""
+        return int(self.work.sizes.sum())
+
+    def train_samples(self, clients: torch.Tensor) -> torch.Tensor:
+        """Training sample counts N_i of `clients` (any ids of the federation, e.g. `cohort_clients`)."""
+        return self.work.sizes[clients.to(self.work.sizes.device)]
+
+    def train_inputs(self, count: int) -> torch.Tensor:
+        """The first `count` training inputs of each client of this chunk [K, count, ...] (a client with fewer
+        repeats its last one)."""
+        take = torch.arange(count, device=self.work.x.device)
+        sizes, starts = self.work.sizes[self.clients], self.work.offsets[self.clients]
+        return self.work.x[starts[:, None] + torch.minimum(take[None], (sizes[:, None] - 1).clamp_min(0))]
+
     def gradient(self, part: Part = "shared", *, steps: int | None = 1, epochs: float | None = None,
                  shared: Params | None = None) -> Params:
         """Each client's mean stochastic gradient of its loss over `steps` fresh minibatches (or `epochs`), taken
@@ -133,7 +177,7 @@ class Cohort:
         per_client_shared = shared is not None
         params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
         work = self.work
-        executor = EXECUTORS[choose_execution(work.executor, work.model, work.x.device)]()
+        executor = EXECUTORS[choose_execution(work.executor, work.model, work.x.device)](work.forward, work.task)
         with precision_context(work.precision, work.x.device):
             return executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
 
@@ -204,23 +248,16 @@ class Cohort:
         weight = plan.weight.to(work.x.device)
         head_only = work.head_only(list(trainable)) and not frozen
         module = work.model.head if head_only else work.model
-        executor = EXECUTORS[choose_execution(work.executor, module, work.x.device)]()
-        if executor.uses_features and head_only:
-            body = {n[len("body."):]: v for n, v in fixed.items() if n.startswith("body.")}
+        chosen = EXECUTORS[choose_execution(work.executor, module, work.x.device)]
+        if chosen.uses_features and head_only:  # the shared body once, then the heads' steps on its features
+            executor, split = chosen(plain_forward, work.task), work.split
             with torch.no_grad():
                 flat = plan.index.flatten()
-                feats = functional_call(work.model.body, body, (work.x[flat],))
-            head = {n[len("head."):]: v for n, v in trainable.items()}
-            head_fixed = {n[len("head."):]: v for n, v in fixed.items() if n.startswith("head.")}
+                feats = functional_call(work.model.body, split.in_body(fixed), (work.x[flat],))
             index = torch.arange(len(flat), device=feats.device).view(plan.index.shape)
             batches = Batches(feats, index, labels, weight, plan.active)
-            trained = executor.train(work.model.head, head, {}, head_fixed, batches, _strip(rule, "head."), self.stats)
-            return {"head." + n: v for n, v in trained.items()}
+            trained = executor.train(work.model.head, split.in_head(trainable), {}, split.in_head(fixed), batches,
+                                     rule.renamed(split.head), self.stats)
+            return split.from_head(trained)
+        executor = chosen(work.forward, work.task)
         return executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
-
-
-def _strip(rule: StepRule, prefix: str) -> StepRule:
-    """The same rule with `prefix` removed from its parameter names."""
-    cut = len(prefix)
-    return StepRule({n[cut:]: v for n, v in rule.lr.items()}, rule.clip_norm, rule.weight_decay, rule.prox,
-                    {n[cut:]: v for n, v in rule.reference.items()})

@@ -1,15 +1,16 @@
-"""Accuracy and loss of every client with its own personalized model, vectorized and chunked."""
+"""Per-client metrics of every client with its own personalized model, vectorized and chunked."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.engine.local import Params, choose_execution, for_each_client, precision_context
+from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
+from fedpilot.engine.task import Task
+from fedpilot.models.split import ParamSplit
 
 
 def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -20,42 +21,46 @@ def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def evaluate_clients(model: nn.Module, shared: Params, personal_of: Callable[[torch.Tensor], Params],
-                     x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                     head_only: bool, execution: str, max_samples: int = 16384,
-                     precision: str = "32-true") -> tuple[torch.Tensor, torch.Tensor]:
-    """(accuracy [n_clients], loss [n_clients]) on one split; NaN for a client with no samples there.
+def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task: Task, shared: Params,
+                     personal_of: Callable[[torch.Tensor], Params], x: torch.Tensor, y: torch.Tensor,
+                     offsets: torch.Tensor, sizes: torch.Tensor, execution: str, max_samples: int = 16384,
+                     precision: str = "32-true") -> dict[str, torch.Tensor]:
+    """Each of the task's metrics per client [n_clients] on one split; NaN for a client with no samples there.
 
     When only the head is personal, the shared body runs once over all samples of the split and the
     personal heads run batched on its features. Forward passes run in the stage's `precision`.
     """
     with precision_context(precision, x.device):
-        return _evaluate(model, shared, personal_of, x, y, offsets, sizes, head_only, execution, max_samples)
+        index = client_major_index(offsets, sizes)
+        if split.head_only(split.personal_names):
+            body = split.in_body(shared)
+            source = torch.cat([functional_call(model.body, body, (x[index[i : i + max_samples]],))
+                                for i in range(0, len(index), max_samples)]) if len(index) else x[:0]
+            module, fixed, forward = model.head, split.in_head(shared), _plain
+            personal_of = (lambda of: lambda clients: split.in_head(of(clients)))(personal_of)
+        else:
+            source, module, fixed = x[index], model, shared
+        return _per_client(module, forward, task, fixed, personal_of, source, y[index], sizes, execution,
+                           max_samples)
 
 
-def _evaluate(model: nn.Module, shared: Params, personal_of: Callable[[torch.Tensor], Params], x: torch.Tensor,
-              y: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, head_only: bool, execution: str,
-              max_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    index = client_major_index(offsets, sizes)
-    labels = y[index]
-    if head_only:
-        body = {n[5:]: v for n, v in shared.items() if n.startswith("body.")}
-        source = torch.cat([functional_call(model.body, body, (x[index[i : i + max_samples]],))
-                            for i in range(0, len(index), max_samples)]) if len(index) else x[:0]
-        module, fixed, strip = model.head, {n[5:]: v for n, v in shared.items() if n.startswith("head.")}, 5
-    else:
-        source, module, fixed, strip = x[index], model, shared, 0
+def _plain(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    return functional_call(module, params, (x,))
+
+
+def _per_client(module: nn.Module, forward: Forward, task: Task, fixed: Params,
+                personal_of: Callable[[torch.Tensor], Params], source: torch.Tensor, labels: torch.Tensor,
+                sizes: torch.Tensor, execution: str, max_samples: int) -> dict[str, torch.Tensor]:
+    """Metric sums over each client's samples divided by its units, chunk of clients by chunk."""
     starts = torch.cumsum(sizes, 0) - sizes
-    acc = torch.full((len(sizes),), float("nan"), device=x.device)
-    loss = acc.clone()
+    results = {m: torch.full((len(sizes),), float("nan"), device=source.device) for m in task.metrics}
     for clients in _chunks(sizes, max_samples):
-        personal = {n[strip:]: v for n, v in personal_of(clients).items()}
-        hits, losses, mask = _scores(module, personal, fixed, source, labels, starts[clients], sizes[clients],
-                                     execution)
-        count = mask.sum(1)
-        acc[clients] = (hits * mask).sum(1) / count
-        loss[clients] = (losses * mask).sum(1) / count
-    return acc, loss
+        values, units = _scores(module, forward, task, personal_of(clients), fixed, source, labels,
+                                starts[clients], sizes[clients], execution)
+        count = units.sum(1)
+        for metric, value in values.items():
+            results[metric][clients] = value.sum(1) / count
+    return results
 
 
 def _chunks(sizes: torch.Tensor, max_samples: int) -> list[torch.Tensor]:
@@ -73,30 +78,29 @@ def _chunks(sizes: torch.Tensor, max_samples: int) -> list[torch.Tensor]:
     return [torch.tensor(g, device=sizes.device) for g in groups]
 
 
-def _scores(module: nn.Module, personal: Params, fixed: Params, source: torch.Tensor, labels: torch.Tensor,
-            starts: torch.Tensor, sizes: torch.Tensor, execution: str):
-    """Per-sample hits and losses [K, n_max] of K clients, and the mask of real samples."""
+def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, fixed: Params, source: torch.Tensor,
+            labels: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
+            execution: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The task's per-sample metric sums [K, n_max] of K clients, and their units (0 on padding)."""
     width = max(int(sizes.max()), 1)
     pos = torch.arange(width, device=source.device)
     mask = pos[None] < sizes[:, None]
     idx = torch.where(mask, starts[:, None] + pos[None], torch.zeros_like(pos[None]))
     xb, yb = source[idx], labels[idx]
 
-    def forward(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
-        return functional_call(net, {**fixed, **params}, (inputs,))  # a personal copy wins over the global
+    def apply(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
+        return forward(net, {**fixed, **params}, inputs)  # a personal copy wins over the global
 
     if choose_execution(execution, module, source.device) == "vmap" or not personal:
-        logits = vmap(forward, in_dims=(0 if personal else None, 0))(personal, xb)
+        outputs = vmap(apply, in_dims=(0 if personal else None, 0))(personal, xb)
     else:
         per_client: list[torch.Tensor | None] = [None] * len(sizes)
 
         def client(k: int, net: nn.Module) -> None:
-            per_client[k] = forward({n: v[k] for n, v in personal.items()}, xb[k], net)
+            per_client[k] = apply({n: v[k] for n, v in personal.items()}, xb[k], net)
 
         for_each_client(module, client, len(sizes), source.device)
-        logits = torch.stack(per_client)
-    losses = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten(), reduction="none").view(yb.shape)
-    hits = (logits.argmax(-1) == yb).float()
-    if yb.dim() > 2:
-        losses, hits = losses.flatten(2).mean(2), hits.flatten(2).mean(2)
-    return hits, losses, mask.float()
+        outputs = torch.stack(per_client)
+    values, units = task.scores(outputs.flatten(0, 1), yb.flatten(0, 1))
+    shape = yb.shape[:2]
+    return {m: v.view(shape) * mask for m, v in values.items()}, units.view(shape) * mask

@@ -16,23 +16,14 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.task import Task
 
 Params = dict[str, torch.Tensor]
-
-
-def weighted_loss(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy and accuracy averaged over the samples with weight 1 (labels [B] or tokens [B, T])."""
-    per_token = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none").view(y.shape)
-    hits = (logits.argmax(-1) == y).to(logits.dtype)
-    if y.dim() > 1:
-        per_token, hits = per_token.flatten(1).mean(1), hits.flatten(1).mean(1)
-    total = w.sum().clamp_min(1.0)
-    return (per_token * w).sum() / total, (hits * w).sum() / total
+Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -68,6 +59,11 @@ class StepRule:
         """This rule for client k alone (its row of a per-client reference)."""
         reference = {n: r[k : k + 1] if r.dim() == params[n].dim() else r for n, r in self.reference.items()}
         return StepRule(self.lr, self.clip_norm, self.weight_decay, self.prox, reference)
+
+    def renamed(self, names: dict[str, str]) -> StepRule:
+        """The same rule for the parameters in `names` (full name -> new name), under their new names."""
+        return StepRule({names[n]: v for n, v in self.lr.items() if n in names}, self.clip_norm, self.weight_decay,
+                        self.prox, {names[n]: v for n, v in self.reference.items() if n in names})
 
 
 def _per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -105,17 +101,18 @@ class TrainStats:
         self.steps += on
 
 
-def client_grad(module: nn.Module) -> Callable[..., tuple[Params, tuple[torch.Tensor, torch.Tensor]]]:
-    """grad(trainable, per_client_frozen, shared_frozen, x, y, w) of one client, with (loss, acc) as aux."""
+def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
+    """grad(trainable, per_client_frozen, shared_frozen, x, y, w) of one client, with (loss, metric) as aux."""
 
     def loss(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        value, acc = weighted_loss(functional_call(module, {**trainable, **frozen, **fixed}, (x,)), y, w)
-        return value, (value, acc)
+        value, metric = task.loss(forward(module, {**trainable, **frozen, **fixed}, x), y, w)
+        return value, (value, metric)
 
     return grad(loss, has_aux=True)
 
 
-def eager_client_grad(module: nn.Module, device: torch.device) -> Callable[..., tuple[Params, tuple[torch.Tensor, torch.Tensor]]]:
+def eager_client_grad(module: nn.Module, device: torch.device, forward: Forward,
+                      task: Task) -> Callable[..., tuple[Params, tuple]]:
     """`client_grad` with plain autograd; image tensors channels-last where that layout is faster (`_channels_last`)."""
     layout = _channels_last if _prefers_channels_last(device) else (lambda t: t)
 
@@ -123,16 +120,15 @@ def eager_client_grad(module: nn.Module, device: torch.device) -> Callable[..., 
         leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
         others = {n: layout(p) for n, p in {**frozen, **fixed}.items()}
         with torch.enable_grad():
-            value, acc = weighted_loss(functional_call(module, {**leaves, **others}, (layout(x),)), y, w)
+            value, metric = task.loss(forward(module, {**leaves, **others}, layout(x)), y, w)
             grads = torch.autograd.grad(value, list(leaves.values()))
-        return dict(zip(leaves, grads, strict=True)), (value.detach(), acc)
+        return dict(zip(leaves, grads, strict=True)), (value.detach(), metric)
 
     return step
 
 
 def _prefers_channels_last(device: torch.device) -> bool:
-    """Channels-last convolutions on GPUs and AVX-512/AMX CPUs (~13% faster there at batch 10); NCHW on AVX2
-    CPUs, where the 2-conv CNN's client steps were 10-15% faster in NCHW (bench/README.md)."""
+    """Channels-last convolutions on GPUs and AVX-512/AMX CPUs; NCHW on AVX2 CPUs (measured: bench/README.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     return device.type != "cpu" or "AVX512" in capability or "AMX" in capability
 
@@ -151,9 +147,8 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
                     device: torch.device) -> None:
     """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
 
-    A client's step at batch 10 is too small to split over cores: for the 2-conv CNN on 2 cores, one client per
-    core was 1.3x faster than 2 OpenMP threads per client with one other busy process on the machine, and ~9x
-    with four, where OpenMP's barriers wait on descheduled threads (bench/README.md).
+    A client's step at batch 10 is too small to split over cores, and OpenMP's barriers wait on descheduled
+    threads when the machine is shared (bench/README.md has the measurements).
     Each client is computed by one thread alone, so the results are the same for any number of threads.
     Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
     and the caller's grad mode and autocast state (both thread-local).
@@ -178,16 +173,27 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
             done.result()
 
 
-class VmapExecutor:
+class Executor:
+    """Runs the local steps of a batch plan for a chunk of clients, applying the model with `forward` and scoring
+    it with `task`. uses_features: it can run head steps on precomputed body features."""
+
+    name: str
+    uses_features = True
+
+    def __init__(self, forward: Forward, task: Task):
+        self.forward, self.task = forward, task
+
+
+class VmapExecutor(Executor):
     """All clients of a chunk in one vmapped gradient call per step."""
 
     name = "vmap"
-    uses_features = True
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
-        step_grad = vmap(client_grad(module), in_dims=(0, 0, None, 0, 0, 0), randomness="different")
+        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
+                         randomness="different")
         trainable = {n: p.clone() for n, p in trainable.items()}
         for s in range(batches.index.shape[1]):
             active = batches.active[:, s]
@@ -202,7 +208,8 @@ class VmapExecutor:
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
                   stats: TrainStats) -> Params:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
-        step_grad = vmap(client_grad(module), in_dims=(0, 0, None, 0, 0, 0), randomness="different")
+        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
+                         randomness="different")
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
         for s in range(batches.index.shape[1]):
@@ -230,11 +237,10 @@ def _mean_of_steps(total: Params, count: torch.Tensor) -> Params:
     return {n: t / count.clamp_min(1).view(-1, *[1] * (t.dim() - 1)) for n, t in total.items()}
 
 
-class LoopExecutor:
+class LoopExecutor(Executor):
     """One client after another, each with eager autograd over its own steps."""
 
     name = "loop"
-    uses_features = True
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
@@ -243,7 +249,7 @@ class LoopExecutor:
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
 
         def client(k: int, module: nn.Module) -> None:
-            step_grad = eager_client_grad(module, device)
+            step_grad = eager_client_grad(module, device, self.forward, self.task)
             mine = {n: p[k : k + 1].copy_(trainable[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             my_rule = rule.for_client(k, trainable)
@@ -268,7 +274,7 @@ class LoopExecutor:
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
 
         def client(k: int, module: nn.Module) -> None:
-            step_grad = eager_client_grad(module, device)
+            step_grad = eager_client_grad(module, device, self.forward, self.task)
             mine, my_frozen = {n: p[k] for n, p in params.items()}, {n: p[k] for n, p in frozen.items()}
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
                 g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.source[batches.index[k, s]],
@@ -284,16 +290,11 @@ class LoopExecutor:
         return _mean_of_steps(total, count)
 
 
-EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor}
-
-
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:
     """The executor for training or evaluating `module`: `requested` unless it is "auto".
 
-    auto: convolutions on CPU run per client, everything else is vmapped. Measured on 2 CPU cores
-    (bench/engine_throughput.py, FedAvg, 50 clients per round): vmap turns conv2d into a grouped convolution
-    that is slower than the per-client loop (CNN: 1.14 s vs 0.68 s a round), while for linear layers vmap is
-    5.5x faster than the loop (MLP: 0.007 s vs 0.039 s). A model's head alone (a Linear) is always vmapped.
+    auto: convolutions on CPU run per client (vmap turns conv2d into a grouped convolution, slower than the loop
+    on CPU), everything else is vmapped; a model's head alone (a Linear) is always vmapped (bench/README.md).
     """
     if requested != "auto":
         return requested

@@ -1,7 +1,6 @@
-"""The plain sequential executor, for tests only: one client at a time, an eager nn.Module and torch.optim.SGD.
-
-It shares nothing with the vectorized executors but the batch plan, so equivalence tests compare the
-engine against textbook PyTorch.
+"""The plain sequential executor (`execution: sequential`): one client at a time, an eager nn.Module and
+torch.optim.SGD. It is the reference the vectorized executors are tested against (tests/, fedpilot.testing), and
+shares nothing with them but the batch plan, the task's loss and the algorithm's way of applying the model.
 """
 
 from __future__ import annotations
@@ -9,17 +8,21 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fedpilot.engine.local import EXECUTORS, Batches, Params, StepRule, TrainStats
+from fedpilot.engine.local import Batches, Executor, Params, StepRule, TrainStats
 
 
-class SequentialExecutor:
+class SequentialExecutor(Executor):
     """Eager PyTorch: load a client's parameters into a module copy, loss.backward(), clip, optimizer.step()."""
 
     name = "sequential"
     uses_features = False
+
+    def _loss(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The task's loss of the client's real samples, through the algorithm's forward on the module itself."""
+        ones = torch.ones(len(y), device=y.device)
+        return self.task.loss(self.forward(net, dict(net.named_parameters()), x), y, ones)[0]
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
@@ -39,7 +42,7 @@ class SequentialExecutor:
                 x = batches.source[batches.index[k, s][real]]
                 y = batches.labels[k, s][real]
                 opt.zero_grad()
-                loss = _loss(net(x), y)
+                loss = self._loss(net, x, y)
                 if rule.prox:
                     loss = loss + rule.prox / 2 * sum(
                         (p - _ref(rule.reference[n], k, trainable[n])).pow(2).sum()
@@ -66,20 +69,13 @@ class SequentialExecutor:
             steps = torch.nonzero(batches.active[k]).flatten().tolist()
             for s in steps:
                 real = batches.weight[k, s] > 0
-                _loss(net(batches.source[batches.index[k, s][real]]), batches.labels[k, s][real]).backward()
+                self._loss(net, batches.source[batches.index[k, s][real]], batches.labels[k, s][real]).backward()
                 stats.steps[k] += 1
             results.append({n: p.grad / max(len(steps), 1) if p.grad is not None else torch.zeros_like(p)
                             for n, p in net.named_parameters() if n in params})
         return {n: torch.stack([r[n] for r in results]) for n in params}
 
 
-def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    per_token = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none").view(y.shape)
-    return per_token.flatten(1).mean(1).mean() if y.dim() > 1 else per_token.mean()
-
-
 def _ref(reference: torch.Tensor, k: int, param: torch.Tensor) -> torch.Tensor:
     return reference[k] if reference.dim() == param.dim() else reference
 
-
-EXECUTORS["sequential"] = SequentialExecutor

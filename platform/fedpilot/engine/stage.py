@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -13,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from fedpilot.engine.aggregate import new_aggregate, splits_across_processes
 from fedpilot.engine.bank import ClientBank
 from fedpilot.engine.batches import round_generator
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -21,6 +21,9 @@ from fedpilot.engine.config import StageConfig
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.local import Params
 from fedpilot.engine.metrics import distribution
+from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
+from fedpilot.engine.task import CLASSIFICATION, Task
+from fedpilot.models.split import ParamSplit
 
 
 class _Rounds(IterableDataset):
@@ -34,31 +37,34 @@ class _Rounds(IterableDataset):
 class FederatedStage(L.LightningModule):
     """One stage of a pipeline: `rounds` federated rounds of one algorithm on a federated dataset.
 
-    The model's parameters named in `personal_names` live per client in a personal bank; the others are
+    The model's parameters the `split` names personal live per client in a personal bank; the others are
     shared and stepped by a torch optimizer with the aggregated client update as pseudo-gradient.
-    `data` has client-major tensors x, y and per-split `offsets`/`sizes` (fedpilot.data.FederatedData).
+    `data` has client-major tensors x, y and per-split `offsets`/`sizes` (fedpilot.data.FederatedData); `task`
+    scores the model's outputs (loss and per-client metrics).
     """
 
-    def __init__(self, model: nn.Module, personal_names: list[str], data: Any, algorithm: Any,
-                 config: StageConfig, seed: int = 0, stage_index: int = 0, bank: Params | None = None):
+    def __init__(self, model: nn.Module, split: ParamSplit, data: Any, algorithm: Algorithm,
+                 config: StageConfig, seed: int = 0, stage_index: int = 0, bank: Params | None = None,
+                 task: Task = CLASSIFICATION):
         super().__init__()
         self.save_hyperparameters(
-            {"config": config.model_dump(), "seed": seed, "stage_index": stage_index,
-             "algorithm": getattr(algorithm, "name", type(algorithm).__name__)})
+            {"config": config.model_dump(), "seed": seed, "stage_index": stage_index, "algorithm": algorithm.name,
+             "task": task.name})
         self.automatic_optimization = False
-        self.model, self.data, self.algorithm, self.config = model, data, algorithm, config
-        self.seed, self.stage_index = seed, stage_index
+        self.model, self.split, self.data, self.algorithm, self.config = model, split, data, algorithm, config
+        self.task, self.seed, self.stage_index = task, seed, stage_index
         params = dict(model.named_parameters())
-        self.personal_names = list(personal_names)
-        copy = getattr(algorithm, "personal_copy", False)  # every parameter both global and personal (Ditto)
-        self.shared_names = [n for n in params if copy or n not in set(personal_names)]
+        self.personal_names = list(split.personal_names)
+        copy = algorithm.personal_copy  # every parameter both global and personal (Ditto)
+        self.shared_names = [n for n in params if copy or n not in set(self.personal_names)]
         self.register_buffer("_no_shared", torch.zeros(0))
         init = {n: params[n].detach().clone() for n in self.personal_names}
         self.personal_init = ClientBank({n: v.unsqueeze(0) for n, v in init.items()})
         start = bank if bank is not None else {n: v.expand(data.n_clients, *v.shape) for n, v in init.items()}
         self.bank = ClientBank({n: start[n].clone() for n in self.personal_names})
-        state = algorithm.client_state() if hasattr(algorithm, "client_state") else {}
+        state = algorithm.client_state()
         self.state_bank = ClientBank({n: v.expand(data.n_clients, *v.shape).clone() for n, v in state.items()})
+        self.server_state = algorithm.server_state(data.n_clients)
         self.execution = config.execution
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
@@ -70,7 +76,7 @@ class FederatedStage(L.LightningModule):
     @property
     def n_rounds(self) -> int:
         """Rounds this stage runs: its `rounds`, or one pass over all clients for one-visit algorithms."""
-        if getattr(self.algorithm, "visits_each_client_once", False):
+        if self.algorithm.visits_each_client_once:
             return math.ceil(self.data.n_clients / self._cohort_size())
         return self.config.rounds
 
@@ -105,13 +111,12 @@ class FederatedStage(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
-                                  "algorithm": getattr(self.algorithm, "server_state", {})}
+                                  "server_state": self.server_state}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("fedpilot", {})
         self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
-        if hasattr(self.algorithm, "server_state"):
-            self.algorithm.server_state = dict(saved.get("algorithm", {}))
+        self.server_state = dict(saved.get("server_state", self.server_state))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -120,7 +125,7 @@ class FederatedStage(L.LightningModule):
     def sample_cohort(self, round_idx: int) -> torch.Tensor:
         """Uniform without replacement, seeded by (seed, stage, round); one-visit algorithms take slices."""
         size, n = self._cohort_size(), self.data.n_clients
-        if getattr(self.algorithm, "visits_each_client_once", False):
+        if self.algorithm.visits_each_client_once:
             return torch.arange(round_idx * size, min(n, (round_idx + 1) * size))
         gen = round_generator(self.seed, self.stage_index, round_idx, 0)
         return torch.randperm(n, generator=gen)[:size].sort().values
@@ -131,11 +136,11 @@ class FederatedStage(L.LightningModule):
 
     def round_work(self, round_idx: int) -> RoundWork:
         data, local = self.data, self.config.local
-        return RoundWork(model=self.model, x=data.x, y=data.y, offsets=data.offsets["train"],
-                         sizes=data.sizes["train"], local=local,
+        return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, x=data.x, y=data.y,
+                         offsets=data.offsets["train"], sizes=data.sizes["train"], local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
                          seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
-                         personal_names=self.personal_names, precision=self.config.precision)
+                         split=self.split, server_state=self.server_state, precision=self.config.precision)
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
         """Local work of the whole cohort (in chunks), aggregation, one server optimizer step.
@@ -146,9 +151,10 @@ class FederatedStage(L.LightningModule):
         """
         clients = self.sample_cohort(round_idx).to(self.device)
         work, shared = self.round_work(round_idx), self.shared_params()
+        info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
         init = {n: self.personal_init.tensor(n)[0] for n in self.personal_names}
-        stateful = getattr(self.algorithm, "stateful", True)
-        aggregate = new_aggregate(self.algorithm)
+        stateful = self.algorithm.stateful
+        aggregate = self.algorithm.aggregator()
         chunk = chunk or self.config.max_parallel_clients
         mine = process_rows(len(clients))
         loss = acc = steps = 0.0
@@ -163,22 +169,24 @@ class FederatedStage(L.LightningModule):
                 self.bank.put(ids, cohort.personal)
             self.state_bank.put(ids, cohort.state)
             if upload.shared is not None or upload.grad is not None:
-                aggregate.add(upload, shared, cohort.weights)
+                aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight),
+                              info)
             loss += float(cohort.stats.loss.sum())
             acc += float(cohort.stats.acc.sum())
             steps += float(cohort.stats.steps.sum())
         if distributed():
-            loss, acc, steps = self.share_round(clients, mine, aggregate, shared, stateful, [loss, acc, steps])
-        self.server_step(aggregate.result())
+            loss, acc, steps = self.share_round(clients, mine, aggregate, info, stateful, [loss, acc, steps])
+        pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
+        self.server_step(pseudo_grad)
         up = aggregate.upload_bytes
         return {"train_loss": loss / max(steps, 1.0), "train_acc": acc / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
 
-    def share_round(self, clients: torch.Tensor, mine: slice, aggregate: Any, shared: Params, stateful: bool,
-                    sums: list[float]) -> list[float]:
+    def share_round(self, clients: torch.Tensor, mine: slice, aggregate: ReducibleAggregator, info: RoundInfo,
+                    stateful: bool, sums: list[float]) -> list[float]:
         """DDP: the whole cohort's aggregate and bank rows on every process; the training-stat `sums`, all-reduced."""
-        aggregate.all_reduce(shared, self.device)
+        aggregate.all_reduce(info, self.device)
         if stateful:
             self.bank.share_rows(clients, mine)
         self.state_bank.share_rows(clients, mine)
@@ -200,23 +208,32 @@ class FederatedStage(L.LightningModule):
         return self.bank.get(clients)
 
     def evaluate(self, splits: list[str], round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
-        """Accuracy and loss of every client on `splits`; logs the distribution as `{split}_acc_{stat}`."""
-        head_only = all(n.startswith("head.") for n in self.personal_names)
+        """The task's metrics of every client on `splits`; logs `{split}_{metric}_weighted` for each metric and the
+        whole distribution `{split}_{metric}_{stat}` for the task's distributions (e.g. accuracy)."""
         results = {}
         for split in splits:
-            acc, loss = evaluate_clients(self.model, self.shared_params(), self.personal_of, self.data.x,
-                                         self.data.y, self.data.offsets[split], self.data.sizes[split],
-                                         head_only, self.execution, precision=self.config.precision)
-            results[split] = {"acc": acc.cpu(), "loss": loss.cpu()}
+            scores = evaluate_clients(self.model, self.split, self.algorithm.forward, self.task, self.shared_params(),
+                                      self.personal_of, self.data.x, self.data.y, self.data.offsets[split],
+                                      self.data.sizes[split], self.execution, precision=self.config.precision)
+            results[split] = {m: v.cpu() for m, v in scores.items()}
             weights = self.data.sizes[split].cpu().double()
-            summary = {f"{split}_acc_{k}": v for k, v in distribution(acc.cpu(), weights).items()}
-            summary[f"{split}_loss_weighted"] = distribution(loss.cpu(), weights).get("weighted", float("nan"))
+            summary = {}
+            for metric, values in results[split].items():
+                stats = distribution(values, weights)
+                shown = stats if metric in self.task.distributions else {"weighted": stats.get("weighted")}
+                summary.update({f"{split}_{metric}_{k}": v for k, v in shown.items() if v is not None})
             self.round_log.update(summary)
             if split == "val":
                 self.log("val_acc_mean", summary["val_acc_mean"], on_step=True, prog_bar=True)
             self.history.append({"round": round_idx, "split": split, **summary})
         self.client_metrics.update(results)
         return results
+
+
+def splits_across_processes(algorithm: Algorithm) -> bool:
+    """Whether the algorithm's aggregate is made of sums that DDP processes can all-reduce (a cohort split across
+    devices); an aggregate that keeps every upload (robust rules, precision weights) runs in one process."""
+    return isinstance(algorithm.aggregator(), ReducibleAggregator)
 
 
 def distributed() -> bool:

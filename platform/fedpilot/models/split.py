@@ -35,22 +35,45 @@ class Adapter(nn.Module):
 
 @dataclass
 class ParamSplit:
-    """Personal and shared parameter names (in `named_parameters` order) with their sizes."""
+    """Personal and shared parameter names (in `named_parameters` order) with their sizes, and where each
+    parameter lives in the model's `body -> head` structure: `head` / `body` map a parameter's full name to its
+    name inside that child (what the engine needs to run the body once and the heads on its features)."""
 
     personal_names: list[str]
     shared_names: list[str]
     numel: dict[str, int]
     bytes: dict[str, int]
+    head: dict[str, str]
+    body: dict[str, str]
 
-    def is_personal(self, name: str) -> bool:
-        """Whether `name` is a personal parameter."""
-        return name in self.personal_names
+    @classmethod
+    def of(cls, model: nn.Module, personal: list[str] | set[str]) -> ParamSplit:
+        """The split of `model` with the parameters named in `personal` personal."""
+        params = dict(model.named_parameters())
+        parts = {part: {f"{part}.{n}": n for n, _ in getattr(model, part).named_parameters()}
+                 for part in ("body", "head") if hasattr(model, part)}
+        return cls(personal_names=[n for n in params if n in personal],
+                   shared_names=[n for n in params if n not in personal],
+                   numel={n: p.numel() for n, p in params.items()},
+                   bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+                   head=parts.get("head", {}), body=parts.get("body", {}))
 
-    def split(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(shared, personal) parts of a parameter dict."""
-        personal = set(self.personal_names)
-        return ({n: v for n, v in params.items() if n not in personal},
-                {n: v for n, v in params.items() if n in personal})
+    def head_only(self, names: list[str]) -> bool:
+        """Whether every parameter in `names` belongs to the head."""
+        return all(n in self.head for n in names)
+
+    def in_head(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The head's entries of `params`, named as inside the head."""
+        return {self.head[n]: v for n, v in params.items() if n in self.head}
+
+    def in_body(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The body's entries of `params`, named as inside the body."""
+        return {self.body[n]: v for n, v in params.items() if n in self.body}
+
+    def from_head(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Head parameters named as inside the head, back under their full names."""
+        full = {local: name for name, local in self.head.items()}
+        return {full[n]: v for n, v in params.items()}
 
     def report(self) -> dict[str, int]:
         """Parameter counts and bytes of the shared part and of one client's personal part."""
@@ -61,13 +84,6 @@ class ParamSplit:
             "personal_bytes_per_client": sum(self.bytes[n] for n in self.personal_names),
             "total_params": sum(self.numel.values()),
         }
-
-    def describe(self) -> str:
-        """One line: shared and personal parameter counts and the personal share."""
-        r = self.report()
-        share = r["personal_params_per_client"] / max(r["total_params"], 1)
-        return (f"{r['shared_params']:,} shared + {r['personal_params_per_client']:,} personal parameters per "
-                f"client ({share:.2%} personal)")
 
 
 def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) -> ParamSplit:
@@ -84,13 +100,7 @@ def apply_split(model: nn.Module, spec: str | list[str], adapter_dim: int = 16) 
                 raise SpecError("personalization", pattern, "matches no parameter name",
                                 allowed=[n for n, _ in model.named_parameters()])
             personal |= matched
-    params = dict(model.named_parameters())
-    return ParamSplit(
-        personal_names=[n for n in params if n in personal],
-        shared_names=[n for n in params if n not in personal],
-        numel={n: p.numel() for n, p in params.items()},
-        bytes={n: p.numel() * p.element_size() for n, p in params.items()},
-    )
+    return ParamSplit.of(model, personal)
 
 
 def _preset(model: nn.Module, preset: str, adapter_dim: int) -> set[str]:

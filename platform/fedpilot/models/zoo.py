@@ -18,21 +18,15 @@ from fedpilot.errors import SpecError
 
 
 class Net(nn.Module):
-    """body -> head; with a `gate` (pFedGate), body and head run with parameters the gate rescales per batch."""
+    """body -> head. An algorithm may add modules of its own (pFedGate's `gate`) and apply the model its own way
+    (Algorithm.forward); the model's forward stays head(body(x))."""
 
     def __init__(self, body: nn.Module, head: nn.Linear):
         super().__init__()
         self.body, self.head = body, head
-        self.gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is None:
-            return self.head(self.body(x))
-        params = {n: p for n, p in self.named_parameters() if not n.startswith("gate.")}
-        scaled = self.gate(params, x)
-        part = {m: {n[len(m) + 1:]: v for n, v in scaled.items() if n.startswith(m + ".")} for m in ("body", "head")}
-        return torch.func.functional_call(self.head, part["head"],
-                                          (torch.func.functional_call(self.body, part["body"], (x,)),))
+        return self.head(self.body(x))
 
 
 def logreg(input_shape: tuple[int, ...], num_classes: int) -> Net:

@@ -1,0 +1,142 @@
+"""The engine's contracts: what it asks of an algorithm, of an algorithm's server-side aggregator, and what a client
+sends. An algorithm subclasses `Algorithm` and says only what is specific to it; everything else (sampling,
+batching, chunking, evaluation, logging) is the engine's. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fedpilot.engine.cohort import Cohort
+
+    Params = dict[str, torch.Tensor]
+
+
+@dataclass
+class Upload:
+    """What a cohort sends to the server; every tensor has a leading client dimension [K, ...].
+
+    shared: the clients' new shared parameters (the aggregator turns them into deltas from the broadcast).
+    grad:   or gradients of the shared parameters (PFLEGO, FFGG).
+    mask:   optional 0/1 per entry for sparse uploads; the server then averages each entry over the
+            clients that sent it (pFedGate's per-index aggregation).
+    weight: aggregation weight of each client; the engine fills in the clients' train sample counts if None.
+    """
+
+    shared: Params | None = None
+    grad: Params | None = None
+    mask: Params | None = None
+    weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What the server knows of the round it aggregates: its seed key, cohort, broadcast and federation size."""
+
+    key: tuple[int, int, int]  # (seed, stage index, round index): seeds every random draw of the round
+    clients: torch.Tensor  # the ids of the whole cohort (every chunk, every process)
+    broadcast: Params  # the shared parameters the cohort received
+    n_clients: int  # clients in the federation
+
+    @property
+    def round(self) -> int:
+        return self.key[2]
+
+
+class Aggregator(ABC):
+    """Server side of one round: `add` each chunk's upload, then `result` turns them into the pseudo-gradient of the
+    server optimizer and the server's next state (the engine keeps and checkpoints that state)."""
+
+    upload_bytes: int = 0  # bytes the clients sent this round
+
+    @abstractmethod
+    def add(self, upload: Upload, info: RoundInfo) -> None:
+        """Take one chunk's upload (its weight filled in)."""
+
+    @abstractmethod
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+        """(pseudo-gradient of the shared parameters, the server state after this round)."""
+
+
+class ReducibleAggregator(Aggregator):
+    """An aggregator whose state is sums: DDP processes that each aggregated a slice of the cohort combine by
+    `all_reduce`, so one round can be split across devices."""
+
+    @abstractmethod
+    def all_reduce(self, info: RoundInfo, device: torch.device) -> None:
+        """Sum this process's state with every other process's."""
+
+
+class AlgorithmParams(BaseModel):
+    """Hyperparameters of an algorithm: pydantic fields with their defaults (the one place defaults live)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Algorithm(ABC):
+    """What the engine asks of an algorithm. A subclass sets `name` and `Params` and implements `local_update`;
+    the rest has defaults that fit most algorithms.
+
+    Class attributes:
+      visits_each_client_once  the stage is one pass over all clients (fine-tuning) instead of sampled rounds
+      personal_copy            every parameter is both global (`cohort.shared`, aggregated) and personal (each
+                               client's copy, `cohort.personal`); clients are evaluated with their copy (Ditto)
+    """
+
+    name: ClassVar[str]
+    Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    visits_each_client_once: ClassVar[bool] = False
+    personal_copy: ClassVar[bool] = False
+
+    def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
+        self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})
+
+    @property
+    def stateful(self) -> bool:
+        """Personal parameters persist across rounds in the engine's personal bank (else each visit restarts from
+        the stage's starting value); a `stateful` hyperparameter sets it."""
+        return bool(getattr(self.p, "stateful", True))
+
+    @property
+    def personal_part(self) -> str | list[str] | None:
+        """A split preset or name regexes that override the pipeline's personalization ("none" for FedAvg, "all"
+        for whole-model fine-tuning), or None to use the pipeline's."""
+        return None
+
+    def prepare_model(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:  # noqa: B027 (optional hook)
+        """Add what the algorithm needs to the model before the stage's split is applied (pFedGate's gate)."""
+
+    def client_state(self) -> dict[str, torch.Tensor]:
+        """Initial per-client state beyond parameters (e.g. Self-FL's variances), without the client dimension; the
+        engine keeps a [n_clients, ...] bank of it, checkpointed, and hands a cohort its rows as `cohort.state`."""
+        return {}
+
+    def server_state(self, n_clients: int) -> dict[str, Any]:
+        """The server's state at the start of a stage (tensors and plain values); the aggregator's `result` returns
+        the next one, `cohort.server_state` shows it to clients, the stage checkpoints it."""
+        return {}
+
+    def aggregator(self) -> Aggregator:
+        """A fresh server-side aggregate for one round (default: the weighted mean of client updates)."""
+        from fedpilot.engine.aggregate import WeightedMean
+
+        return WeightedMean()
+
+    def forward(self, model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+        """How a client applies the model with `params` to inputs `x` (default: the model's own forward); an
+        algorithm that changes it (pFedGate's gated weights) overrides this."""
+        from torch.func import functional_call
+
+        return functional_call(model, params, (x,))
+
+    @abstractmethod
+    def local_update(self, cohort: Cohort) -> Upload:
+        """Train the cohort locally (set `cohort.personal` to keep new personal parameters) and say what to send."""

@@ -7,6 +7,7 @@ import sys
 
 from fedpilot.cli import app
 from fedpilot.engine import FederatedStage
+from fedpilot.tracking import Tracker
 
 STAGE, ROUND = int(os.environ["STOP_STAGE"]), int(os.environ["STOP_ROUND"])
 SIGNAL = signal.Signals[os.environ["STOP_SIGNAL"]]
@@ -20,4 +21,5 @@ def run_round(self, round_idx, chunk=None):
 
 
 FederatedStage.run_round = run_round
+Tracker.system_sampling_seconds = 0.1  # system metrics logged before the signal, to see them continue after it
 app(sys.argv[1:], prog_name="fedpilot")

@@ -127,8 +127,7 @@ def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
     import psutil
     import torch
 
-    from fedpilot.engine.memory import keep_freed_memory
-    from fedpilot.pipeline import PeakMemory
+    from fedpilot.engine.memory import PeakMemory, keep_freed_memory
 
     keep_freed_memory(torch.device("cpu"))
     before = psutil.Process().memory_info().rss

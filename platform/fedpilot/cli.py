@@ -106,9 +106,9 @@ def run(
 
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
-    from fedpilot.pipeline import PipelineRunner, Stopped, load_resumed_spec, quiet_lightning
+    from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
     from fedpilot.spec import PipelineSpec, load_pipeline
-    from fedpilot.tracking import tracking_uri
+    from fedpilot.tracking import load_resumed_spec, tracking_uri
 
     quiet_lightning()
     try:

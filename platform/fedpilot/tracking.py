@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from mlflow.entities import Metric, Param
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot import plots
+from fedpilot.errors import SpecError
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
@@ -101,6 +103,8 @@ class RoundMetrics(Callback):
 
 class Tracker:
     """Creates and fills the runs of one pipeline in the experiment named by the pipeline."""
+
+    system_sampling_seconds = 2.0  # MLflow system metrics: one sample (CPU, memory, GPU) every this many seconds
 
     def __init__(self, uri: str, experiment: str):
         self.uri = uri
@@ -183,7 +187,7 @@ class Tracker:
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=2, samples_before_logging=1, tracking_uri=self.uri,
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=self.system_sampling_seconds, samples_before_logging=1, tracking_uri=self.uri,
                                        resume_logging=run_id in self._logged)
         monitor.start()
         try:
@@ -219,3 +223,16 @@ class Tracker:
         self.log_metrics(run_id, {f"final_{k}": v for k, v in last.items() if isinstance(v, float)})
         if plot:
             self.client.log_figure(run_id, plots.accuracy_cdf(accuracy), "plots/test_acc_cdf.png")
+
+
+def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
+    """The resolved spec a pipeline run recorded (for `fedpilot run --resume RUN_ID`)."""
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except Exception as err:  # mlflow raises MlflowException for an unknown id
+        raise SpecError("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
+    if "fedpilot.pipeline" not in run.data.tags:
+        raise SpecError("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())

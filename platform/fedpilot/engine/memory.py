@@ -1,4 +1,5 @@
-"""The process's C allocator on Linux CPUs: keep freed memory for the next round, give it back between stages.
+"""Memory of a running stage: the process's C allocator on Linux CPUs (keep freed memory for the next round, give
+it back between stages) and the peak a stage reaches.
 
 Every round allocates the same large buffers again (a cohort's trained copies, gradients); with glibc's
 defaults they are fresh mmap pages that fault on first touch, ~20% of the CNN round's CPU time on 2 cores
@@ -11,7 +12,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 
+import psutil
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
@@ -41,3 +44,38 @@ def release_freed_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class PeakMemory:
+    """Peak memory while a block runs: torch's peak CUDA allocation on a GPU, else the process's resident set
+    size sampled every 20 ms, from a start where the allocator has given back what is free (so each stage gets
+    its own peak, not the process's lifetime maximum, also when the engine keeps freed memory between rounds)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.02):
+        self.device, self.interval = device, interval
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while True:
+            self.bytes = max(self.bytes, process.memory_info().rss)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            release_freed_memory()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device))

@@ -1,0 +1,45 @@
+"""What a running pipeline shows in the terminal: a progress bar per stage, and no third-party noise."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class RoundProgress(TQDMProgressBar):
+    """Lightning's progress bar counting the stage's rounds, with the latest loss and val accuracy."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    @property
+    def train_description(self) -> str:
+        return self.label
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.train_progress_bar.reset(total=trainer.max_steps)
+        self.train_progress_bar.n = trainer.global_step  # a resumed stage starts part-way
+        self.train_progress_bar.set_description(self.label)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.train_progress_bar.n = trainer.global_step
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+def quiet_lightning() -> None:
+    """Lightning's per-fit banners and warnings that do not apply to federated stages are noise in a pipeline."""
+    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.system_metrics"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Our round is the manual-optimization step; its checkpoint is meant to hold the state after it.
+    warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

@@ -1,0 +1,227 @@
+"""PipelineRunner: build the data and the model once, then train (or reuse from the stage cache) each stage in order,
+each starting from the previous stage's shared model and personal bank, recording everything in MLflow."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+from fedpilot.data.federated import cache_root
+from fedpilot.data.summary import describe
+from fedpilot.engine.memory import PeakMemory
+from fedpilot.engine.stage import FederatedStage, carry_bank
+from fedpilot.models import ParamSplit, apply_split
+from fedpilot.names import safe_path
+from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
+from fedpilot.pipeline.checks import prepare, stage_split
+from fedpilot.pipeline.progress import RoundProgress
+from fedpilot.pipeline.report import SPLITS, stage_report
+from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
+from fedpilot.spec import PipelineSpec
+from fedpilot.tracking import CACHE_TAG, RoundMetrics, Tracker, flatten, tracking_uri
+
+
+@dataclass
+class StageOutcome:
+    """What one stage produced: its run, whether it came from the cache, per-client accuracy, final metrics."""
+
+    index: int
+    name: str
+    cache: str
+    run_id: str
+    accuracy: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+
+@dataclass
+class PipelineResult:
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+    stages: list[StageOutcome]
+
+
+class PipelineRunner:
+    """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
+
+    def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True,
+                 use_cache: bool = True):
+        self.spec, self.progress, self.use_cache = spec, progress, use_cache
+        self.root = Path(cache_dir) if cache_dir else cache_root()
+        self.cache = StageCache(self.root)
+        prepared = prepare(spec, self.root)  # every input check, before any run is created
+        self.data, self.model, self.algorithms, self.device = (prepared.data, prepared.model, prepared.algorithms,
+                                                               prepared.device)
+        self.uri = tracking_uri(spec.tracking.uri)
+        self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
+        self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
+        self.rounds_trained = 0
+        self.run_id: str | None = None  # the pipeline's MLflow run once run() created or resumed it
+        self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
+
+    # ---- the pipeline --------------------------------------------------------------------------------------
+    def run(self, resume: str | None = None, parent: str | None = None, tags: dict[str, str] | None = None,
+            started: Callable[[str], None] = lambda run_id: None) -> PipelineResult:
+        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`;
+        `started(run_id)` is called as soon as the pipeline's run exists (a job's result file, a trial's record).
+        SIGINT or SIGTERM stop it after the current round with a checkpoint: its runs are KILLED, `--resume` goes on."""
+        spec = self.spec
+        if resume:
+            run_id, previous_runs = resume, self.tracker.stage_runs(resume)
+            self.tracker.resume(run_id)
+        else:
+            extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
+            run_id, previous_runs = self.tracker.start_pipeline(
+                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra), {}
+        self.run_id = parent = run_id
+        started(run_id)
+        open_runs = [parent]
+        try:
+            with self.tracker.system_metrics(parent, spec.tracking.system_metrics), stop_on_signals():
+                outcomes = self._stages(parent, previous_runs, open_runs)
+            summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
+                       for o in outcomes]
+            self.tracker.log_pipeline_results(parent, {o.name: o.accuracy["test"] for o in outcomes}, summary,
+                                              spec.tracking.plots)
+            self.tracker.finish(parent)
+            shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
+        except BaseException as err:
+            self.tracker.fail(open_runs, err)
+            raise
+        return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
+
+    def follow(self, resume: str | None = None) -> None:
+        """What a DDP process other than rank 0 runs (Lightning starts them at the first stage trained with
+        `devices` > 1, re-running the same command): the same stages in the same order, training each with rank 0
+        (every process takes a slice of each cohort). It records nothing: the MLflow runs, the stage cache and
+        the checkpoints are rank 0's."""
+        previous_runs = self.tracker.stage_runs(resume) if resume else {}
+        key, before = "", None
+        for i in range(len(self.spec.stages)):
+            stage, _, key = self._stage(i, key, before)
+            cached = self.cache.load(key)
+            if cached is not None:
+                stage.load_state_dict(cached["state"])
+            else:
+                last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
+                resuming = i in previous_runs and last is not None and last.is_file()
+                trainer = self._trainer(stage, self.root / "runs", [])  # saving goes to rank 0's folder
+                trainer.fit(stage, ckpt_path=str(last) if resuming else None)
+            before = stage
+
+    def _checkpoints(self, parent: str, index: int) -> Path:
+        """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains (under root/runs)."""
+        return safe_path(self.root / "runs", parent, f"{index}-{self.spec.stages[index].name}")
+
+    def _stage(self, i: int, key: str, before: FederatedStage | None) -> tuple[FederatedStage, ParamSplit, str]:
+        """Stage i on the model as the previous stages left it: the algorithm's additions, its split, its cache key
+        (chained to the previous stage's `key`) and its starting personal bank (from `before`)."""
+        spec, stage_spec, algorithm = self.spec, self.spec.stages[i], self.algorithms[i]
+        split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
+        torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
+        algorithm.prepare_model(self.model, self.data.feature_shape)
+        split = apply_split(self.model, split_spec, dim)
+        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
+        config = stage_spec.engine_config(spec.evaluation.every)
+        bank = carry_bank(before, split.personal_names) if before is not None else None
+        stage = FederatedStage(self.model, split, self.data, algorithm, config, spec.seed, i, bank)
+        return stage, split, key
+
+    def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
+        spec, key, before, outcomes, offset = self.spec, "", None, [], 0
+        for i, stage_spec in enumerate(spec.stages):
+            stage, split, key = self._stage(i, key, before)
+            earlier = previous_runs.get(i)
+            if earlier is not None and earlier.info.status != "FINISHED":
+                self.tracker.resume(earlier.info.run_id)
+            cached = self.cache.load(key) if self.use_cache else None
+            if cached is not None:
+                outcome = self._reuse(parent, i, stage, split, cached, key, earlier, before)
+            else:
+                run_id = earlier.info.run_id if earlier is not None else self.tracker.start_stage(
+                    parent, i, stage_spec.name, stage_spec.algorithm, {CACHE_TAG: "miss", "fedpilot.cache_key": key})
+                open_runs.append(run_id)
+                outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before, offset)
+                open_runs.remove(run_id)
+            outcomes.append(outcome)
+            before = stage
+            offset += stage.n_rounds
+        return outcomes
+
+    # ---- one stage -----------------------------------------------------------------------------------------
+    def _train(self, parent: str, index: int, run_id: str, stage: FederatedStage, split: ParamSplit, key: str,
+               resuming: bool, before: FederatedStage | None, offset: int) -> StageOutcome:
+        name = self.spec.stages[index].name
+        checkpoints = self._checkpoints(parent, index)
+        last = checkpoints / "last.ckpt"
+        if not resuming:
+            self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+        callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset), CheckpointOnStop(last)]
+        if self.progress:
+            callbacks.append(RoundProgress(f"[{index + 1}/{len(self.spec.stages)}] {name}"))
+        trainer = self._trainer(stage, checkpoints, callbacks)
+        try:
+            with PeakMemory(self.device) as memory:
+                trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
+        finally:
+            self.rounds_trained += stage.rounds_run
+        peak = memory.bytes
+        self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
+                              "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        return self._record(index, run_id, "miss", stage, split, peak, before)
+
+    def _reuse(self, parent: str, index: int, stage: FederatedStage, split: ParamSplit, cached: dict[str, Any],
+               key: str, earlier: Any, before: FederatedStage | None) -> StageOutcome:
+        """A stage from the cache: load its state; log it as a new stage run, or finish the resumed run's own."""
+        stage.load_state_dict(cached["state"])
+        stage.history, stage.comm_bytes = cached["history"], cached["comm_bytes"]
+        stage.client_metrics = cached["client_metrics"]
+        spec_stage = self.spec.stages[index]
+        if earlier is not None and earlier.info.status == "FINISHED":
+            return self._record(index, earlier.info.run_id, earlier.data.tags.get(CACHE_TAG, "hit"), stage, split,
+                                cached["peak_memory_bytes"], before, log=False)
+        if earlier is not None:  # the stage finished, its process died before recording it: record it in its run
+            run_id, cache = earlier.info.run_id, earlier.data.tags.get(CACHE_TAG, "hit")
+            self.tracker.log_history(run_id, stage.history)
+            return self._record(index, run_id, cache, stage, split, cached["peak_memory_bytes"], before)
+        run_id = self.tracker.start_stage(parent, index, spec_stage.name, spec_stage.algorithm, {
+            CACHE_TAG: "hit", "fedpilot.cache_key": key, "fedpilot.cache_source": cached["run_id"]})
+        self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+        self.tracker.log_history(run_id, stage.history)
+        return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
+
+    def _trainer(self, stage: FederatedStage, checkpoints: Path, callbacks: list[Callback]) -> L.Trainer:
+        """The stage's Trainer: checkpoints every `eval_every` rounds; DDP over `devices` processes when > 1."""
+        every = stage.config.eval_every
+        saving = ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0, every_n_train_steps=every)
+        devices = self.spec.devices
+        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices,
+                         strategy=DDPStrategy(forward_sync_buffers=False) if devices > 1 else "auto",
+                         logger=False, callbacks=[*callbacks, saving], enable_progress_bar=self.progress,
+                         enable_model_summary=False, default_root_dir=checkpoints)
+
+    def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,
+                before: FederatedStage | None, log: bool = True) -> StageOutcome:
+        """Log a finished stage's report (final metrics, footprints, per-client table, plots) to its run and finish
+        it (unless `log` is off: a resumed run already holds it)."""
+        name = self.spec.stages[index].name
+        report = stage_report(stage, split, peak, before)
+        if log:
+            previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s]["acc"].numpy()
+                                                           for s in SPLITS}) if before is not None else None
+            extra = {**report.memory, **{k: v for k, v in report.metrics.items() if "_frac_" in k}}
+            self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots)
+            self.tracker.finish(run_id)
+        return StageOutcome(index, name, cache, run_id, report.accuracy, {**report.metrics, **report.memory})

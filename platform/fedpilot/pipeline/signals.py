@@ -1,0 +1,58 @@
+"""Stopping a pipeline on SIGINT/SIGTERM: after the current round, with a checkpoint, its runs KILLED and resumable."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class Stopped(SystemExit):
+    """A pipeline stopped on SIGINT/SIGTERM after a round, with a checkpoint (exit code 128 + the signal)."""
+
+
+_STOP: dict[str, int] = {}  # the signal that asked the running pipeline to stop, if any
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM ask the training stage to stop after its current round
+    (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP.clear()
+
+    def ask(signum: int, frame: Any) -> None:
+        if _STOP and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _STOP["signal"] = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
+              "once)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class CheckpointOnStop(Callback):
+    """After a round, if a stop was asked (stop_on_signals): save the checkpoint `path` and stop (runs KILLED)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if _STOP:
+            trainer.save_checkpoint(self.path)
+            signum = _STOP["signal"]
+            raise Stopped(128 + signum)

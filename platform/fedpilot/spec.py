@@ -116,17 +116,16 @@ def read_user_yaml(path: Path) -> dict[str, Any]:
     try:
         _check_events(text, str(path))
         node = yaml.compose(text, Loader=YAML_LOADER)  # the node graph: linear time, aliases shared
-        if node is not None:
-            _expanded_size(node, {}, set(), str(path))
+        if node is None:
+            raise SpecError("pipeline", str(path), "the file is empty")
+        if not isinstance(node, yaml.MappingNode):
+            kind = "a list" if isinstance(node, yaml.SequenceNode) else f"the single value {node.value!r}"
+            raise SpecError("pipeline", str(path), f"the top level of a pipeline is a mapping of keys to values, "
+                            f"not {kind}")
+        _expanded_size(node, {}, set(), str(path))
+        return yaml.load(text, Loader=YAML_LOADER)  # bounded now: at most MAX_YAML_NODES values
     except yaml.YAMLError as err:
         raise SpecError("pipeline", str(path), f"not valid YAML: {_yaml_problem(err)}") from None
-    if node is None:
-        raise SpecError("pipeline", str(path), "the file is empty")
-    if not isinstance(node, yaml.MappingNode):
-        kind = "a list" if isinstance(node, yaml.SequenceNode) else f"the single value {node.value!r}"
-        raise SpecError("pipeline", str(path), f"the top level of a pipeline is a mapping of keys to values, "
-                        f"not {kind}")
-    return yaml.load(text, Loader=YAML_LOADER)  # bounded now: at most MAX_YAML_NODES values
 
 
 def _check_events(text: bytes, path: str) -> None:
@@ -271,7 +270,7 @@ def _compose_error(err: Exception, path: Path, overrides: list[str] | tuple[str,
     text = str(err)
     for override in overrides:
         key, _, value = override.partition("=")
-        if f"override ++{override}" in text or f"override '{key}'" in text:
+        if f"override ++{override}" in text or f"override '{key}'" in text or f"'{key.lstrip('+~')}'" in text:
             reason = _first_line(err.__cause__) if err.__cause__ else text
             return SpecError(key.lstrip("+~"), value, f"cannot be set: {reason}")
     return SpecError("pipeline", str(path), _first_line(err))
@@ -283,8 +282,11 @@ def _interpolation_error(err: OmegaConfBaseException, cfg: Any, path: Path) -> S
     if not key:
         return SpecError("pipeline", str(path), _first_line(err))
     value: Any = OmegaConf.to_container(cfg, resolve=False)
-    for part in key.split("."):
-        value = value[int(part)] if isinstance(value, list) else value.get(part)
+    try:
+        for part in key.split("."):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+    except (KeyError, IndexError, TypeError, ValueError):
+        value = None
     return SpecError(key, value, f"cannot be resolved: {_first_line(err)}")
 
 

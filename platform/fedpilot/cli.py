@@ -32,6 +32,8 @@ Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Dotted overrides such as dataset.partition.alpha=0.1 or stages.0.rounds=20."),
 ]
+CacheDir = Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
+                                                    "$FEDPILOT_CACHE or .fedpilot-cache).")]
 
 
 def fail(err: SpecError) -> None:
@@ -57,8 +59,11 @@ def data_describe(
         if "dataset" not in composed:
             raise SpecError("dataset", None, "the pipeline names no dataset (add `defaults: [{dataset: digits}]`)")
         spec = DatasetSpec.from_dict(composed["dataset"])
+        seed = composed.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise SpecError("seed", seed, "must be an integer")
         start = time.perf_counter()
-        data = build_federated_data(spec, seed=int(composed.get("seed", 0)), cache_dir=cache_dir)
+        data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
         seconds = time.perf_counter() - start
     except SpecError as err:
         fail(err)
@@ -73,14 +78,19 @@ def data_describe(
 
 
 @app.command()
-def validate(pipeline: Pipeline, overrides: Overrides = None) -> None:
-    """Compose and validate a pipeline; print the resolved spec (every default filled in) or the first error."""
+def validate(pipeline: Pipeline, overrides: Overrides = None, cache_dir: CacheDir = None) -> None:
+    """Compose and validate a pipeline and run every check a run would (it builds the dataset, into the cache,
+    and the model); print the resolved spec (every default filled in) or the first error."""
     from omegaconf import OmegaConf
 
+    from fedpilot.data.federated import cache_root
+    from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.spec import load_pipeline
 
+    quiet_lightning()
     try:
         spec = load_pipeline(pipeline, overrides or [])
+        prepare(spec, cache_dir or cache_root())
     except SpecError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(spec.resolved()).rstrip())
@@ -186,22 +196,30 @@ def search(
                                                      "sqlite:///fedpilot.db; postgresql+psycopg://... for a team).")] = None,
     study: Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the "
                                                    "pipeline name); an existing study is resumed.")] = None,
-    cache_dir: Annotated[Path | None, typer.Option(help="fedpilot's cache (default $FEDPILOT_CACHE or "
-                                                       ".fedpilot-cache).")] = None,
+    cache_dir: CacheDir = None,
     heartbeat_seconds: Annotated[int, typer.Option(min=1, help="Trial heartbeat; a trial silent for 3 heartbeats "
                                                               "is failed and retried.")] = 10,
     result_file: ResultFile = None,
 ) -> None:
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id."""
+    from fedpilot.data.federated import cache_root
     from fedpilot.db import platform_db_url
-    from fedpilot.pipeline import quiet_lightning
+    from fedpilot.names import check_name
+    from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.spec import load_pipeline
     from fedpilot.tuning import Search, quiet_optuna
 
     quiet_lightning()
     quiet_optuna()
     try:
+        if trials is not None and trials < 1:
+            raise SpecError("--trials", trials, "must be at least 1")
+        if study is not None:
+            check_name("--study", study)
         spec = load_pipeline(pipeline, overrides or [])
+        if spec.search is None:
+            raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
+        prepare(spec, cache_dir or cache_root())  # every input check before the study and its MLflow run exist
         runner = Search(spec, platform_db_url(storage), trials, study, cache_dir, heartbeat_seconds, typer.echo)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+
+MAX_SHOWN = 200  # characters of a bad value shown in an error (a whole 10,000-item list is no help)
 
 
 class SpecError(ValueError):
@@ -16,13 +19,24 @@ class SpecError(ValueError):
     def __init__(self, key: str, value: Any, problem: str, allowed: Iterable[Any] | None = None):
         self.key, self.value, self.problem = key, value, problem
         self.allowed = list(allowed) if allowed is not None else None
-        message = f"{key}={value!r}: {problem}"
+        shown = repr(value)
+        shown = shown if len(shown) <= MAX_SHOWN else f"{shown[:MAX_SHOWN - 3]}..."
+        message = f"{key}={shown}: {problem}"
         if self.allowed:
             message += f" (allowed: {', '.join(map(str, self.allowed))})"
             hint = did_you_mean(value, self.allowed) or did_you_mean(key.rsplit(".", 1)[-1], self.allowed)
             if hint:
                 message += f"; did you mean {hint!r}?"
         super().__init__(message)
+
+
+def check_finite(value: Any, key: str = "") -> None:
+    """A SpecError naming the dotted key path (lists by index) of the first inf or nan anywhere in `value`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(key or "value", value, "not a finite number (inf and nan are not allowed)")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for part, item in items:
+        check_finite(item, f"{key}.{part}" if key else str(part))
 
 
 def did_you_mean(value: Any, allowed: Iterable[Any]) -> str | None:

@@ -176,17 +176,22 @@ def schedule_add(
     pipeline: Pipeline,
     overrides: Overrides = None,
     cron: Annotated[str, typer.Option(help='Crontab expression in UTC, e.g. "0 2 * * *" (02:00 daily).')] = ...,
-    trials: Annotated[int, typer.Option(min=1, help="Trials each firing adds to the study.")] = ...,
+    trials: Annotated[int, typer.Option(help="Trials each firing adds to the study (at least 1).")] = ...,
     name: Annotated[str | None, typer.Option(help="Schedule name, also its Optuna study (default: the "
                                                   "pipeline's search.study).")] = None,
     db: Db = None,
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials."""
     from fedpilot.cli import fail
-    from fedpilot.schedule import add
+    from fedpilot.data.federated import cache_root
+    from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.schedule import plan, store
 
+    quiet_lightning()
     try:
-        schedule = add(_engine(db), pipeline, overrides or [], cron, trials, name)
+        schedule, spec = plan(pipeline, overrides or [], cron, trials, name)
+        prepare(spec, cache_root())  # every check a firing's search would make, before the schedule is stored
+        store(_engine(db), schedule)
     except SpecError as err:
         fail(err)
     typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC), +{schedule.trials} trials to study "

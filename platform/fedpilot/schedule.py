@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import Engine, delete, func, select
@@ -20,6 +20,10 @@ from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import QUEUED, Firing, Job, Schedule, session_factory, utcnow
 from fedpilot.errors import SpecError
+from fedpilot.names import check_name
+
+if TYPE_CHECKING:
+    from fedpilot.spec import PipelineSpec
 
 
 def trigger(cron: str) -> CronTrigger:
@@ -30,30 +34,52 @@ def trigger(cron: str) -> CronTrigger:
         raise SpecError("--cron", cron, f"not a valid cron expression: {err}") from None
 
 
-def add(engine: Engine, path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
-        now: datetime | None = None) -> Schedule:
-    """Validate a pipeline with a search block and store a schedule (study = its name, default the study)."""
+def check_cron(cron: str, now: datetime | None = None) -> CronTrigger:
+    """The trigger of a crontab expression that fires at some time after `now`; else a SpecError on `--cron`."""
+    cron_trigger = trigger(cron)
+    if cron_trigger.get_next_fire_time(None, now or utcnow()) is None:
+        raise SpecError("--cron", cron, "never fires: no date matches it (such as February 30)")
+    return cron_trigger
+
+
+def plan(path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
+         now: datetime | None = None) -> tuple[Schedule, PipelineSpec]:
+    """A schedule checked but not stored (study = its name, default the search block's study), and its pipeline."""
     from fedpilot.spec import load_pipeline
 
-    trigger(cron)
-    resolved = load_pipeline(path, overrides).resolved()
+    check_cron(cron, now)
+    if trials < 1:
+        raise SpecError("--trials", trials, "must be at least 1")
+    if name is not None:
+        check_name("--name", name)
+    spec = load_pipeline(path, overrides)
+    resolved = spec.resolved()
     block = resolved.get("search")
     if not block:
         raise SpecError("search", None, "a schedule runs searches: the pipeline needs a `search:` block")
-    if trials < 1:
-        raise SpecError("--trials", trials, "must be at least 1")
     name = name or block["study"]
     resolved["search"] = {**block, "study": name}
     since = now or utcnow()
     schedule = Schedule(name=name, pipeline=resolved["name"], spec=json.dumps(resolved), cron=cron, trials=trials,
                         study=name, paused=False, created_at=since, active_since=since)
+    return schedule, spec
+
+
+def store(engine: Engine, schedule: Schedule) -> Schedule:
+    """Save a planned schedule; its name must be new."""
     try:
         with session_factory(engine).begin() as session:
             session.add(schedule)
     except IntegrityError:
-        raise SpecError("--name", name, "a schedule with this name exists (remove it or pick another "
+        raise SpecError("--name", schedule.name, "a schedule with this name exists (remove it or pick another "
                         "--name)") from None
     return schedule
+
+
+def add(engine: Engine, path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
+        now: datetime | None = None) -> Schedule:
+    """Validate a pipeline with a search block and store a schedule (study = its name, default the study)."""
+    return store(engine, plan(path, overrides, cron, trials, name, now)[0])
 
 
 def list_schedules(engine: Engine, now: datetime | None = None) -> list[dict[str, Any]]:

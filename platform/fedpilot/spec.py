@@ -6,20 +6,33 @@ imported or instantiated.
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
+import yaml
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from omegaconf import OmegaConf, grammar_parser
+from omegaconf.errors import GrammarParseError, OmegaConfBaseException
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fedpilot.data import DatasetSpec
 from fedpilot.engine.config import StageConfig
-from fedpilot.errors import SpecError, from_validation
-from fedpilot.models import PRESETS, check_model
+from fedpilot.errors import SpecError, check_finite, from_validation
+from fedpilot.models import MODELS, PRESETS, check_model
+from fedpilot.names import check_name
 
 
 def configs_dir() -> Path:
@@ -32,42 +45,224 @@ def configs_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "configs"
 
 
+# Limits on what a pipeline file and its overrides may be, checked before Hydra or OmegaConf touch them: a YAML
+# alias bomb ("billion laughs") is a few hundred bytes that expands to billions of nodes, and OmegaConf builds
+# every one of them (at a few thousand nodes per second). Real pipelines are a few KiB with a few hundred nodes,
+# nested a few levels, so these leave ample room while bounding what composing a file can cost to seconds.
+MAX_FILE_BYTES = 1 << 20  # 1 MiB: a larger file is refused before it is read
+MAX_YAML_NODES = 10_000  # YAML nodes with every re-use of an alias counted (what loading the file builds)
+MAX_YAML_DEPTH = 50  # nesting of mappings and lists (every check below walks the tree recursively)
+MAX_OVERRIDES = 100  # overrides on one command line
+MAX_OVERRIDE_CHARS = 1_000  # characters of one override (key=value)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it: the same YAML, faster
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Each config group of configs/ (a folder) and its choices (the stems of its .yaml files)."""
+    return {folder.name: sorted(f.stem for f in folder.glob("*.yaml"))
+            for folder in sorted(configs_dir().iterdir()) if folder.is_dir()}
+
+
 def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The pipeline file composed with its `defaults` groups from configs/ and dotted `overrides`."""
+    """The pipeline file composed with its `defaults` groups from configs/ and dotted `overrides`.
+
+    Before Hydra composes anything, the file and the overrides are checked (size and expansion limits, a mapping
+    at the top, `defaults` naming files of configs/ groups, no resolver calls); after, every number is finite."""
     path = Path(path).resolve()
     if not path.is_file():
         raise SpecError("pipeline", str(path), "no such file")
     if path.suffix not in {".yaml", ".yml"}:
         raise SpecError("pipeline", str(path), "a pipeline is a .yaml file")
-    _check_yaml(path)
+    groups = config_groups()
+    check_user_yaml(read_user_yaml(path), groups)
+    _check_omegaconf_yaml(path)
+    check_overrides(overrides, groups)
     search = f"hydra.searchpath=[file://{configs_dir()}]"
     try:
         with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
-            cfg = compose(config_name=path.stem, overrides=[search, *map(_add_or_override, overrides)])
-        composed = OmegaConf.to_container(cfg, resolve=True)
+            cfg = compose(config_name=path.stem,
+                          overrides=[search, *(_add_or_override(o, groups) for o in overrides)])
     except (HydraException, OmegaConfBaseException) as err:
         raise _compose_error(err, path, overrides) from None
+    try:
+        composed = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:  # an interpolation of a missing key, or a cycle
+        raise _interpolation_error(err, cfg, path) from None
     if not isinstance(composed, dict):
         raise SpecError("pipeline", str(path), "a pipeline is a mapping of keys to values")
+    check_finite(composed)
     return composed
 
 
-def _add_or_override(override: str) -> str:
+def _add_or_override(override: str, groups: dict[str, list[str]]) -> str:
     """`key=value` sets the key whether or not the file has it (Hydra's `++`): the schema check that follows
     rejects unknown keys with a better message than Hydra's. Group choices (`dataset=femnist`) and overrides
     with Hydra's own prefixes (`+`, `~`) pass unchanged."""
     key = override.split("=", 1)[0]
-    if key.startswith(("+", "~")) or "=" not in override or (configs_dir() / key).is_dir():
+    if key.startswith(("+", "~")) or "=" not in override or key in groups:
         return override
     return f"++{override}"
 
 
-def _check_yaml(path: Path) -> None:
-    """A clear error for a YAML syntax error, with the line and column."""
+def read_user_yaml(path: Path) -> dict[str, Any]:
+    """The user's pipeline file as plain YAML data (interpolations as text); refused if it is larger than
+    MAX_FILE_BYTES, has more than MAX_YAML_NODES nodes once aliases are expanded or more than MAX_YAML_DEPTH
+    levels, is empty, is not YAML, or is not a mapping."""
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise SpecError("pipeline", str(path), f"the file has {size:,} bytes; a pipeline may have at most "
+                        f"{MAX_FILE_BYTES:,}")
+    text = path.read_bytes()
+    try:
+        _check_events(text, str(path))
+        node = yaml.compose(text, Loader=YAML_LOADER)  # the node graph: linear time, aliases shared
+        if node is None:
+            raise SpecError("pipeline", str(path), "the file is empty")
+        if not isinstance(node, yaml.MappingNode):
+            kind = "a list" if isinstance(node, yaml.SequenceNode) else f"the single value {node.value!r}"
+            raise SpecError("pipeline", str(path), f"the top level of a pipeline is a mapping of keys to values, "
+                            f"not {kind}")
+        _expanded_size(node, {}, set(), str(path))
+        return yaml.load(text, Loader=YAML_LOADER)  # bounded now: at most MAX_YAML_NODES values
+    except yaml.YAMLError as err:
+        raise SpecError("pipeline", str(path), f"not valid YAML: {_yaml_problem(err)}") from None
+
+
+def _check_events(text: bytes, path: str) -> None:
+    """The file's nodes as written (before aliases) and its nesting are within the limits: a single pass over
+    the parser's events that stops at the first one past a limit, before anything is built."""
+    nodes = depth = 0
+    for event in yaml.parse(text, Loader=YAML_LOADER):
+        nodes += isinstance(event, yaml.NodeEvent)
+        depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+        if nodes > MAX_YAML_NODES:
+            raise _too_many_nodes(path)
+        if depth > MAX_YAML_DEPTH:
+            raise SpecError("pipeline", path, f"not valid YAML: nested more than {MAX_YAML_DEPTH} levels deep")
+
+
+def _too_many_nodes(path: str) -> SpecError:
+    return SpecError("pipeline", path, f"the YAML expands to more than {MAX_YAML_NODES:,} nodes (counting every use "
+                     "of an alias); a pipeline is far smaller")
+
+
+def _check_omegaconf_yaml(path: Path) -> None:
+    """OmegaConf's own checks of the file (a duplicate key, for one), as a clear error."""
     try:
         OmegaConf.load(path)
     except Exception as err:  # yaml.YAMLError and OmegaConf's wrappers
-        raise SpecError("pipeline", str(path), f"not valid YAML: {_first_line(err)}") from None
+        raise SpecError("pipeline", str(path), f"not valid YAML: {_yaml_problem(err)}") from None
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int], path: str) -> int:
+    """Nodes under `node` with every re-use of an alias counted, memoized per node (linear in the file)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise SpecError("pipeline", path, f"not valid YAML: the alias at line {node.start_mark.line + 1} refers to "
+                        "a node that contains it")
+    open_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    else:
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+    total = 1 + sum(_expanded_size(child, sizes, open_nodes, path) for child in children)
+    if total > MAX_YAML_NODES:
+        raise _too_many_nodes(path)
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def check_user_yaml(data: dict[str, Any], groups: dict[str, list[str]]) -> None:
+    """What Hydra would act on in a user's file: no `hydra` key, `defaults` naming configs/ files, no resolvers."""
+    if "hydra" in data:
+        raise SpecError("hydra", data["hydra"], "unknown key: Hydra's own settings cannot be set by a pipeline",
+                        allowed=[*PipelineSpec.model_fields, "defaults"])
+    check_defaults(data.get("defaults", []), groups)
+    check_no_resolvers(data)
+
+
+def check_defaults(defaults: Any, groups: dict[str, list[str]]) -> None:
+    """`defaults` is a list of `_self_` and one-key mappings {group: choice} naming a configs/ group and one of
+    its files."""
+    if not isinstance(defaults, list):
+        raise SpecError("defaults", defaults, "a list of {group: choice} entries and _self_, e.g. "
+                        "[{dataset: digits}, {model: mlp}, _self_]")
+    for i, entry in enumerate(defaults):
+        if entry == "_self_":
+            continue
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise SpecError(f"defaults.{i}", entry, "an entry is _self_ or one {group: choice} of configs/",
+                            allowed=list(groups))
+        ((group, choice),) = entry.items()
+        if group not in groups:
+            raise SpecError(f"defaults.{i}", group, "not a config group of configs/", allowed=list(groups))
+        check_choice(f"defaults.{i}.{group}", group, choice, groups)
+
+
+def check_choice(key: str, group: str, choice: Any, groups: dict[str, list[str]]) -> None:
+    """A group's choice is the plain name of one of its .yaml files (no path)."""
+    if not isinstance(choice, str) or choice not in groups[group]:
+        raise SpecError(key, choice, f"not a config of configs/{group}", allowed=groups[group])
+
+
+def check_no_resolvers(value: Any, key: str = "") -> None:
+    """No resolver call (`${oc.env:X}`, `${hydra:...}`, nested ones) anywhere in `value`; plain interpolation
+    between the pipeline's own keys (`${stages.0.rounds}`) is fine. The error shows the text, never its value."""
+    if isinstance(value, dict | list):
+        for part, item in value.items() if isinstance(value, dict) else enumerate(value):
+            check_no_resolvers(item, f"{key}.{part}" if key else str(part))
+    elif isinstance(value, str) and "${" in value:
+        try:
+            tree = grammar_parser.parse(value, parser_rule="configValue")
+        except GrammarParseError as err:
+            raise SpecError(key, value, f"not a valid interpolation: {_first_line(err)}") from None
+        names = _resolver_names(tree)
+        if names:
+            raise SpecError(key, value, f"calls the resolver {names[0]!r}: resolvers are not allowed in a "
+                            "pipeline (interpolating its own keys, as in ${stages.0.rounds}, is)")
+
+
+def _resolver_names(tree: Any) -> list[str]:
+    """The names of the resolvers called in an OmegaConf grammar parse tree, outermost first."""
+    names = []
+    if isinstance(tree, OmegaConfGrammarParser.InterpolationResolverContext):
+        names.append(tree.resolverName().getText())
+    for child in getattr(tree, "children", None) or []:
+        names += _resolver_names(child)
+    return names
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...], groups: dict[str, list[str]]) -> None:
+    """Each override is one `key=value` in Hydra's grammar, setting a pipeline key or choosing a configs/ group's
+    file, within the limits and without resolver calls; Hydra's settings, packages and sweeps are refused."""
+    if len(overrides) > MAX_OVERRIDES:
+        raise SpecError("overrides", len(overrides), f"at most {MAX_OVERRIDES} overrides may be given")
+    parser = OverridesParser.create()
+    for text in overrides:
+        if len(text) > MAX_OVERRIDE_CHARS:
+            raise SpecError("override", f"{text[:40]}...", f"{len(text):,} characters; an override may have at "
+                            f"most {MAX_OVERRIDE_CHARS:,}")
+        try:
+            parsed = parser.parse_override(text)
+        except (HydraException, RecursionError) as err:  # Hydra's OverrideParseException and lexer errors
+            raise SpecError("override", text, f"not key=value: {_first_line(err)}") from None
+        key = parsed.key_or_group
+        if not key:
+            raise SpecError("override", text, "not key=value: the key is missing")
+        if parsed.package is not None or "/" in key or key.split(".")[0] == "hydra":
+            raise SpecError("override", text, "only the pipeline's keys and configs/ group choices can be set",
+                            allowed=list(dict.fromkeys([*PipelineSpec.model_fields, *groups])))
+        if parsed.is_sweep_override():
+            raise SpecError("override", text, "a sweep is not one value (quote a value with commas; tune with a "
+                            "search: block)")
+        if parsed.is_delete():
+            continue
+        if key in groups:
+            check_choice(key, key, parsed.value(), groups)
+        else:
+            check_no_resolvers(parsed.value(), key)
 
 
 def _compose_error(err: Exception, path: Path, overrides: list[str] | tuple[str, ...]) -> SpecError:
@@ -75,10 +270,31 @@ def _compose_error(err: Exception, path: Path, overrides: list[str] | tuple[str,
     text = str(err)
     for override in overrides:
         key, _, value = override.partition("=")
-        if f"override ++{override}" in text or f"override '{key}'" in text:
+        if f"override ++{override}" in text or f"override '{key}'" in text or f"'{key.lstrip('+~')}'" in text:
             reason = _first_line(err.__cause__) if err.__cause__ else text
             return SpecError(key.lstrip("+~"), value, f"cannot be set: {reason}")
     return SpecError("pipeline", str(path), _first_line(err))
+
+
+def _interpolation_error(err: OmegaConfBaseException, cfg: Any, path: Path) -> SpecError:
+    """An interpolation that cannot be resolved, as a SpecError on its key with its text."""
+    key = re.sub(r"\[(\d+)\]", r".\1", getattr(err, "full_key", None) or "")
+    if not key:
+        return SpecError("pipeline", str(path), _first_line(err))
+    value: Any = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        for part in key.split("."):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+    except (KeyError, IndexError, TypeError, ValueError):
+        value = None
+    return SpecError(key, value, f"cannot be resolved: {_first_line(err)}")
+
+
+def _yaml_problem(err: Exception) -> str:
+    """A YAML error in one line: the problem and where it is."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem and err.problem_mark:
+        return f"{err.problem} (line {err.problem_mark.line + 1}, column {err.problem_mark.column + 1})"
+    return _first_line(err)
 
 
 def _first_line(err: Exception) -> str:
@@ -103,6 +319,12 @@ class ModelSpec(BaseModel):
     @model_validator(mode="after")
     def _registered(self) -> ModelSpec:
         check_model(self.name, self.options)
+        hints = get_type_hints(MODELS[self.name])
+        for key, value in self.options.items():  # each option as its builder's signature types it
+            try:
+                setattr(self, key, TypeAdapter(hints[key]).validate_python(value))
+            except ValidationError as err:
+                raise SpecError(f"model.{key}", value, err.errors()[0]["msg"]) from None
         return self
 
 
@@ -157,6 +379,11 @@ class TrackingSpec(Strict):
     uri: str | None = None
     system_metrics: bool = True
     plots: bool = True
+
+    @field_validator("experiment")
+    @classmethod
+    def _named(cls, experiment: str | None) -> str | None:
+        return experiment if experiment is None else check_name("tracking.experiment", experiment)
 
 
 OBJECTIVE_METRICS = [
@@ -241,11 +468,16 @@ class SearchSpec(Strict):
             return {**value, "objective": [value["objective"]]}
         return value
 
+    @field_validator("study")
+    @classmethod
+    def _named(cls, study: str | None) -> str | None:
+        return study if study is None else check_name("search.study", study)
+
 
 class PipelineSpec(Strict):
     """A whole pipeline: data, model, personalization, ordered stages, seed, evaluation, tracking."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     devices: int = Field(1, ge=1)  # > 1: Lightning DDP, each round's cohort split across that many GPUs (or CPU processes)
@@ -257,19 +489,29 @@ class PipelineSpec(Strict):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     search: SearchSpec | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _named(cls, name: str) -> str:
+        return check_name("name", name)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelineSpec:
-        """Validate a composed pipeline; algorithm params are merged over configs/algorithm/NAME.yaml and checked."""
+        """Validate a composed pipeline; algorithm params are merged over configs/algorithm/NAME.yaml and checked.
+        Stage names follow the one name pattern, personalization regexes compile, every number is finite."""
+        check_finite(raw)
         try:
             spec = cls.model_validate(raw)
         except ValidationError as err:
             raise from_validation(err, cls) from None
-        names = [stage.name or stage.algorithm for stage in spec.stages]
+        check_finite(spec.model_dump())  # also values pydantic parsed from strings such as "inf"
+        _check_regexes(spec.personalization, "personalization")
         for i, stage in enumerate(spec.stages):
-            stage.name = names[i]
-            if names.index(names[i]) != i:
-                raise SpecError(f"stages.{i}.name", names[i], "two stages have this name; give each a unique name")
             stage.params = _algorithm_params(stage.algorithm, stage.params, f"stages.{i}")
+            stage.name = check_name(f"stages.{i}.name", stage.name or stage.algorithm)
+            if stage.name in [s.name for s in spec.stages[:i]]:
+                raise SpecError(f"stages.{i}.name", stage.name, "two stages have this name; give each a unique name")
+            if stage.personalization is not None:
+                _check_regexes(stage.personalization, f"stages.{i}.personalization")
         if spec.search is not None:
             spec.search.study = spec.search.study or spec.name
             _check_search(spec)
@@ -284,6 +526,15 @@ class PipelineSpec(Strict):
         return data
 
 
+def _check_regexes(personalization: PersonalizationSpec, key: str) -> None:
+    """Every name regex of a personalization list compiles."""
+    for pattern in personalization.split if isinstance(personalization.split, list) else []:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise SpecError(key, pattern, f"not a valid regular expression: {err}") from None
+
+
 def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, Any]:
     """The algorithm's defaults from configs/algorithm/NAME.yaml overlaid with `params`, validated."""
     from fedpilot.algorithms import ALGORITHMS
@@ -294,9 +545,11 @@ def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, 
     defaults = OmegaConf.to_container(OmegaConf.load(defaults_file)) if defaults_file.is_file() else {}
     params_cls = ALGORITHMS[name].Params
     try:
-        return params_cls.model_validate({**(defaults or {}), **params}).model_dump(mode="json")
+        validated = params_cls.model_validate({**(defaults or {}), **params})
     except ValidationError as err:
         raise from_validation(err, params_cls, f"{key}.params") from None
+    check_finite(validated.model_dump(), f"{key}.params")
+    return validated.model_dump(mode="json")
 
 
 def with_values(spec: PipelineSpec, values: dict[str, Any]) -> PipelineSpec:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedpilot.errors import SpecError, from_validation
+from fedpilot.errors import SpecError, check_finite, from_validation
 
 
 class Strict(BaseModel):
@@ -41,7 +41,8 @@ class DigitsSource(Strict):
 
 
 class HFSource(Strict):
-    """A Hugging Face dataset: a hub name, a `save_to_disk` folder, or parquet file(s) (a path or glob)."""
+    """A Hugging Face dataset: a hub name (`owner/name`), a `save_to_disk` folder, a data folder, or data file(s)
+    (.parquet, .csv, .json, .jsonl, .arrow; a path or a glob). A path that looks local must exist."""
 
     kind: Literal["hf"] = "hf"
     path: str
@@ -108,8 +109,12 @@ class DatasetSpec(Strict):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetSpec:
-        """Validate a `dataset:` mapping; the first problem becomes a SpecError naming its key path."""
+        """Validate a `dataset:` mapping; the first problem (an inf or nan too) becomes a SpecError naming its key
+        path."""
+        check_finite(d, "dataset")
         try:
-            return cls.model_validate(d)
+            spec = cls.model_validate(d)
         except ValidationError as err:
             raise from_validation(err, cls, "dataset") from None
+        check_finite(spec.model_dump(), "dataset")  # also values parsed from strings such as "inf"
+        return spec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,8 @@ from fedpilot.data.config import DigitsSource, HFSource, SyntheticSource
 from fedpilot.errors import SpecError
 
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
+FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
+GLOB_CHARS = "*?["
 
 
 @dataclass
@@ -80,16 +84,22 @@ def hugging_face(spec: HFSource, column: str | None = None) -> RawData:
 
 
 def _load_table(spec: HFSource):
-    """A `datasets.Dataset`: from a `save_to_disk` folder, parquet file(s), or the hub."""
+    """A `datasets.Dataset`: from a `save_to_disk` folder, data file(s) (a path or glob), a data folder, or the
+    hub. A local-looking path that is not there, and anything `datasets` raises, is a SpecError."""
     import datasets
 
-    path = Path(spec.path)
-    if path.is_dir() and any((path / marker).exists() for marker in DISK_MARKERS):
-        loaded = datasets.load_from_disk(str(path))
-    elif spec.path.endswith(".parquet") or any(ch in spec.path for ch in "*?["):
-        return datasets.load_dataset("parquet", data_files=spec.path, split="train")
-    else:
-        return datasets.load_dataset(spec.path, spec.name, split=spec.split)
+    path = os.path.expanduser(spec.path)
+    if looks_local(spec.path):
+        _check_local(spec.path, path)
+    try:
+        if Path(path).is_dir() and any((Path(path) / marker).exists() for marker in DISK_MARKERS):
+            loaded = datasets.load_from_disk(path)
+        elif builder := _file_builder(path):
+            return datasets.load_dataset(builder, data_files=path, split="train")
+        else:
+            return datasets.load_dataset(path, spec.name, split=spec.split)
+    except Exception as err:  # the hub unreachable, a loading script, a bad config name or split, a broken file
+        raise _load_error(spec, err) from None
     if isinstance(loaded, datasets.DatasetDict):
         if spec.split not in loaded:
             raise SpecError("dataset.source.split", spec.split, "no such split", allowed=list(loaded))
@@ -97,14 +107,61 @@ def _load_table(spec: HFSource):
     return loaded
 
 
+def looks_local(path: str) -> bool:
+    """Whether `path` names local files rather than a hub dataset (`owner/name`): absolute, starting with `.` or
+    `~`, with more than one `/`, a data file suffix or glob characters."""
+    return (path.startswith(("/", ".", "~")) or path.count("/") > 1 or Path(path).suffix in FILE_BUILDERS
+            or any(ch in path for ch in GLOB_CHARS))
+
+
+def _check_local(given: str, path: str) -> None:
+    """A local path exists, a glob matches a file."""
+    if any(ch in path for ch in GLOB_CHARS):
+        if not glob.glob(path):
+            raise SpecError("dataset.source.path", given, "no file matches this pattern")
+    elif not os.path.exists(path):
+        raise SpecError("dataset.source.path", given, "no such file or folder (hub datasets are named owner/name)")
+
+
+def _file_builder(path: str) -> str | None:
+    """The `datasets` builder of data file(s): by suffix; a glob without a known suffix is parquet."""
+    builder = FILE_BUILDERS.get(Path(path).suffix)
+    return builder or ("parquet" if any(ch in path for ch in GLOB_CHARS) else None)
+
+
+def _load_error(spec: HFSource, err: Exception) -> SpecError:
+    """What `datasets` raised, as a SpecError on the key it is about (config name, split, else path)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if spec.name is not None and repr(spec.name) in message:
+        return SpecError("dataset.source.name", spec.name, f"cannot load: {message}")
+    if "split" in message.lower() and f'"{spec.split}"' in message:
+        return SpecError("dataset.source.split", spec.split, f"cannot load: {message}")
+    return SpecError("dataset.source.path", spec.path, f"cannot load: {message}")
+
+
+def _check_feature(table, column: str) -> None:
+    """The feature column holds images or numbers (text would need tokenization)."""
+    feature = table.features[column]
+    while hasattr(feature, "feature"):  # List, LargeList, Sequence of ...
+        feature = feature.feature
+    if getattr(feature, "dtype", None) in {"string", "large_string"}:
+        raise SpecError("dataset.source.feature", column, "holds text: text columns need tokenization, which is not "
+                        "supported yet (give a column of images or numbers)")
+
+
 def _features(table, column: str) -> np.ndarray:
     """A column of images or numeric arrays as float32 [N, ...]; images become [C, H, W] in [0, 1]."""
     import datasets
 
-    if isinstance(table.features[column], datasets.Image):
-        images = np.stack([np.asarray(_plain_mode(img), dtype=np.float32) / 255.0 for img in table[column]])
-        return images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2)
-    return np.asarray(table.with_format("numpy")[column], dtype=np.float32)
+    _check_feature(table, column)
+    try:
+        if isinstance(table.features[column], datasets.Image):
+            images = np.stack([np.asarray(_plain_mode(img), dtype=np.float32) / 255.0 for img in table[column]])
+            return images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2)
+        return np.asarray(table.with_format("numpy")[column], dtype=np.float32)
+    except (ValueError, TypeError) as err:  # ragged arrays, nested records, images of different sizes
+        raise SpecError("dataset.source.feature", column, f"cannot be made one float array: "
+                        f"{str(err).strip().splitlines()[0]}") from None
 
 
 def _plain_mode(image):

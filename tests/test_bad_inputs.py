@@ -1,0 +1,415 @@
+"""A corpus of bad inputs: each ends with exit code 2, one `error: key=value: problem` line naming the bad key or
+value, no traceback, and nothing created (no MLflow run, no stage cache or checkpoint, no job or schedule row).
+
+Every case runs the real CLI in-process in a fresh directory with its own stores; a few go through a real
+subprocess (the alias bomb, with a time limit, and one ordinary case). Escape attempts point at a sibling
+directory that must stay as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import huggingface_hub.constants
+import mlflow
+import pytest
+import yaml
+
+from fedpilot.errors import SpecError
+from fedpilot.spec import (
+    MAX_FILE_BYTES,
+    MAX_OVERRIDE_CHARS,
+    MAX_OVERRIDES,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    compose_pipeline,
+    configs_dir,
+)
+from pipeline_fixtures import cli
+
+SECRET = "s3cr3t-value-of-the-environment"
+BASE: dict[str, Any] = {
+    "name": "bad-inputs",
+    "defaults": [{"dataset": "digits"}, {"model": "mlp"}, "_self_"],
+    "dataset": {"partition": {"kind": "iid", "clients": 8}},
+    "model": {"hidden": [8]},
+    "personalization": "output_layer",
+    "tracking": {"system_metrics": False, "plots": False},
+    "stages": [{"name": "pretrain", "algorithm": "fedavg", "rounds": 1, "clients_per_round": 4},
+               {"name": "personalize", "algorithm": "fedalt", "rounds": 1, "clients_per_round": 4,
+                "params": {"lr_v": 0.01}}],
+}
+SEARCH = {"space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": 0.1, "log": True}},
+          "objective": {"metric": "val_acc_weighted"}, "trials": 2}
+SEARCHABLE = {**BASE, "search": SEARCH}
+HF = {"kind": "hf", "path": "@DATA@/numbers.parquet", "feature": "x", "label": "y"}
+BOMB = "".join([f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]\n" if i else "l0: &l0 [lol]\n"
+                for i in range(10)]) + "name: *l9\n"
+
+
+def edit(spec: dict[str, Any] = BASE, **changes: Any) -> dict[str, Any]:
+    """A deep copy of `spec` with dotted keys (`stages__0__name` for stages.0.name) set; None deletes."""
+    spec = copy.deepcopy(spec)
+    for dotted, value in changes.items():
+        *parents, leaf = [int(p) if p.isdigit() else p for p in dotted.split("__")]
+        here = spec
+        for part in parents:
+            here = here[part]
+        if value is None:
+            del here[leaf]
+        else:
+            here[leaf] = value
+    return spec
+
+
+def hf(**source: Any) -> dict[str, Any]:
+    """BASE on a Hugging Face source (the local files of the `hf_data` fixture)."""
+    return edit(BASE, dataset={"source": {**HF, **source}, "partition": {"kind": "iid", "clients": 4}},
+                stages__0__clients_per_round=2, stages__1__clients_per_round=2)
+
+
+def case(name: str, expect: str, spec: dict[str, Any] | str | bytes | None = BASE, *args: str,
+         command: tuple[str, ...] = ("validate",), escape: bool = False, file: str = "pipeline.yaml") -> Any:
+    """One bad input: the pipeline `file` (None: none), the command and its arguments after the file, and what the
+    error names. `@TMP@`, `@OUT@` (the sibling directory escapes aim at), `@DATA@` (local HF files) and
+    `@ESCAPE@` (configs/dataset/../../<sibling>/evil) are filled in."""
+    return pytest.param(spec, command, args, expect, escape, file, id=name)
+
+
+def many(count: int) -> tuple[str, ...]:
+    return tuple(f"seed={i}" for i in range(count))
+
+
+CASES = [
+    # ---- the file: YAML syntax, size, expansion, shape -----------------------------------------------------
+    case("yaml-syntax", "not valid YAML: did not find expected ',' or ']'", "name: x\nstages: [\n  a: 1\n"),
+    case("yaml-tab-indent", "not valid YAML", "name: x\nstages:\n\t- a\n"),
+    case("yaml-duplicate-key", "found duplicate key name", "name: a\nname: b\n"),
+    case("yaml-not-utf8", "not valid YAML", b"name: \x80\x81\n"),
+    case("yaml-nested-too-deeply", f"nested more than {MAX_YAML_DEPTH} levels",
+         "a: " + "[" * 3000 + "]" * 3000 + "\n"),
+    case("yaml-too-many-nodes", f"more than {MAX_YAML_NODES:,} nodes",
+         "name: x\nbig: [" + "1, " * MAX_YAML_NODES + "1]\n"),
+    case("empty-file", "the file is empty", ""),
+    case("comments-only", "the file is empty", "# nothing here\n"),
+    case("top-level-list", "not a list", "- name: x\n- seed: 1\n"),
+    case("top-level-scalar", "not the single value 'just text'", "just text\n"),
+    case("alias-bomb", f"more than {MAX_YAML_NODES:,} nodes", BOMB),
+    case("alias-recursive", "refers to a node that contains it", "name: x\nloop: &a [1, *a]\n"),
+    case("file-too-large", f"at most {MAX_FILE_BYTES:,}", "name: x\n" + "# padding\n" * (MAX_FILE_BYTES // 10)),
+    case("not-a-yaml-file", "a pipeline is a .yaml file", BASE, file="pipeline.txt"),
+    case("no-such-file", "no such file", None, "@TMP@/missing.yaml"),
+    # ---- schema: types, unknown keys, ranges ---------------------------------------------------------------
+    case("unknown-top-key", "stagse=", edit(stagse=[])),
+    case("hydra-key-in-file", "hydra=", edit(hydra={"searchpath": ["file://@OUT@"]}), escape=True),
+    case("seed-not-int", "seed='zero'", edit(seed="zero")),
+    case("rounds-not-int", "stages.0.rounds='many'", edit(stages__0__rounds="many")),
+    case("rounds-zero", "stages.0.rounds=0", BASE, "stages.0.rounds=0"),
+    case("device-unknown", "device='tpu'", edit(device="tpu")),
+    case("devices-zero", "devices=0", edit(devices=0)),
+    case("evaluation-every-zero", "evaluation.every=0", edit(evaluation={"every": 0})),
+    case("stages-empty", "stages=[]", edit(stages=[])),
+    case("stage-unknown-key", "stages.0.roundz=3", BASE, "stages.0.roundz=3"),
+    case("algorithm-unknown", "did you mean 'fedavg'", edit(stages__0__algorithm="fedavgg")),
+    case("algorithm-param-unknown", "stages.1.params.tau_vv=2", BASE, "stages.1.params.tau_vv=2"),
+    case("local-epochs-and-steps", "not both", BASE, "stages.0.local.epochs=1", "stages.0.local.steps=3"),
+    case("lr-negative", "stages.0.local.lr=-1", BASE, "stages.0.local.lr=-1"),
+    case("lr-schedule-kind", "stages.0.local.schedule.kind='cosine'", BASE, "stages.0.local.schedule.kind=cosine"),
+    case("server-momentum-one", "stages.0.server.momentum=1", BASE, "stages.0.server.momentum=1"),
+    case("override-index-out-of-range", "stages.7.rounds", BASE, "stages.7.rounds=3"),
+    case("interpolation-missing-key", "stages.0.rounds='${nope.rounds}'", edit(stages__0__rounds="${nope.rounds}")),
+    case("interpolation-cycle", "seed='${seed}'", edit(seed="${seed}")),
+    case("interpolation-unclosed", "not a valid interpolation", edit(seed="${stages.0.rounds")),
+    # ---- names: one pattern for everything that becomes a path or an identifier ----------------------------
+    case("name-with-slash", "name='../evil'", edit(name="../evil"), escape=True),
+    case("name-with-space", "name='my pipeline'", edit(name="my pipeline")),
+    case("name-empty", "name=''", edit(name="")),
+    case("name-too-long", "name='" + "n" * 129, edit(name="n" * 129)),
+    case("stage-name-escape", "stages.0.name='x/../../../../@OUT@/evil'",
+         edit(stages__0__name="x/../../../../@OUT@/evil"), command=("run",), escape=True),
+    case("stage-name-override", "stages.1.name='../x'", BASE, "stages.1.name=../x", escape=True),
+    case("stage-names-twice", "stages.1.name='pretrain'", edit(stages__1__name="pretrain")),
+    case("study-escape", "search.study='../../@OUT@/study'", edit(SEARCHABLE, search__study="../../@OUT@/study"),
+         escape=True),
+    case("experiment-escape", "tracking.experiment='../evil'", edit(tracking={"experiment": "../evil"}),
+         command=("run",), escape=True),
+    case("search-study-option", "--study='a/b'", SEARCHABLE, "--study", "a/b", command=("search",), escape=True),
+    case("schedule-name-option", "--name='../nightly'", SEARCHABLE, "--cron", "0 2 * * *", "--trials", "1",
+         "--name", "../nightly", command=("schedule", "add"), escape=True),
+    # ---- defaults: only files of configs/ groups -----------------------------------------------------------
+    case("defaults-escape", "defaults.0.dataset='@ESCAPE@'", edit(defaults=[{"dataset": "@ESCAPE@"}, "_self_"]),
+         escape=True),
+    case("defaults-unknown-choice", "did you mean 'digits'", edit(defaults=[{"dataset": "digitz"}, "_self_"])),
+    case("defaults-unknown-group", "defaults.1='optimizer'", edit(defaults=["_self_", {"optimizer": "adam"}])),
+    case("defaults-not-a-list", "defaults='digits'", edit(defaults="digits")),
+    case("defaults-config-path", "defaults.0='dataset/digits'", edit(defaults=["dataset/digits", "_self_"])),
+    case("defaults-two-keys", "defaults.0=", edit(defaults=[{"dataset": "digits", "model": "mlp"}])),
+    case("defaults-null-choice", "defaults.1.model=None", edit(defaults=[{"dataset": "digits"}, {"model": None}])),
+    case("defaults-override-keyword", "defaults.0='override dataset'",
+         edit(defaults=[{"override dataset": "digits"}])),
+    case("defaults-resolver", "defaults.0.dataset='${oc.env:FEDPILOT_SECRET}'",
+         edit(defaults=[{"dataset": "${oc.env:FEDPILOT_SECRET}"}])),
+    case("group-override-escape", "dataset='@ESCAPE@'", BASE, "dataset=@ESCAPE@", escape=True),
+    case("group-override-unknown", "model='mlpp'", BASE, "model=mlpp"),
+    case("group-override-add-escape", "dataset='@ESCAPE@'", BASE, "+dataset=@ESCAPE@", escape=True),
+    # ---- resolvers: none in the file or in overrides -------------------------------------------------------
+    case("resolver-env", "seed='${oc.env:FEDPILOT_SECRET}'", edit(seed="${oc.env:FEDPILOT_SECRET}")),
+    case("resolver-env-in-text", "name='run-${oc.env:FEDPILOT_SECRET}'", edit(name="run-${oc.env:FEDPILOT_SECRET}"),
+         command=("run",)),
+    case("resolver-nested", "'oc.select'", edit(seed="${oc.select:nope,${oc.env:FEDPILOT_SECRET}}")),
+    case("resolver-in-key-path", "'oc.env'", edit(seed="${stages.${oc.env:FEDPILOT_SECRET}}")),
+    case("resolver-hydra", "stages.0.name='${hydra:runtime.cwd}'", edit(stages__0__name="${hydra:runtime.cwd}")),
+    case("resolver-unknown", "'foo'", edit(tracking={"uri": "${foo:bar}"})),
+    case("resolver-in-list", "personalization.0=", edit(personalization=["${oc.env:FEDPILOT_SECRET}"])),
+    case("resolver-override", "name='${oc.env:FEDPILOT_SECRET}'", BASE, "name=${oc.env:FEDPILOT_SECRET}"),
+    case("resolver-override-nested", "stages.0.local.lr=", BASE, "stages.0.local={lr: ${oc.env:FEDPILOT_SECRET}}"),
+    case("resolver-data-describe", "dataset.seed=", edit(dataset={"seed": "${oc.decode:'1'}"}),
+         command=("data", "describe")),
+    # ---- overrides: Hydra's grammar, one value, within limits ----------------------------------------------
+    case("override-no-key", "override='=1'", BASE, "=1", command=("run",)),
+    case("override-no-value", "override='key'", BASE, "key"),
+    case("override-empty-key-part", "override='a..b=1'", BASE, "a..b=1"),
+    case("override-equals-only", "override='='", BASE, "="),
+    case("override-unbalanced", "override='stages=[1,2'", BASE, "stages=[1,2"),
+    case("override-hydra-searchpath", "override='hydra.searchpath", BASE, "hydra.searchpath=[file://@OUT@]",
+         escape=True),
+    case("override-package", "override='dataset@x=digits'", BASE, "dataset@x=digits"),
+    case("override-sweep", "override='seed=1,2'", BASE, "seed=1,2"),
+    case("override-too-many", f"at most {MAX_OVERRIDES} overrides", BASE, *many(MAX_OVERRIDES + 1)),
+    case("override-too-long", f"at most {MAX_OVERRIDE_CHARS:,}", BASE, "name=" + "x" * MAX_OVERRIDE_CHARS),
+    # ---- numbers: finite everywhere ------------------------------------------------------------------------
+    case("inf-local-lr", "stages.0.local.lr=inf", BASE, "stages.0.local.lr=inf", command=("run",)),
+    case("inf-algorithm-param", "stages.1.params.lr_v=inf", BASE, "stages.1.params.lr_v=inf", command=("run",)),
+    case("inf-string-weight-decay", "stages.0.local.weight_decay=inf",
+         edit(stages__0__local={"weight_decay": "inf"})),
+    case("nan-seed", "seed=nan", BASE, "seed=nan"),
+    case("inf-server-lr", "stages.0.server.lr=-inf", BASE, "stages.0.server.lr=-inf"),
+    case("inf-dataset-alpha", "dataset.partition.alpha=inf", BASE, "dataset.partition.kind=dirichlet",
+         "dataset.partition.alpha=inf", command=("data", "describe")),
+    case("inf-model-option", "model.hidden.0=inf", edit(model={"hidden": [float("inf")]})),
+    case("inf-search-bound", "search.space.stages.1.params.lr_v.high=inf", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": float("inf")}}})),
+    # ---- search blocks and the search command --------------------------------------------------------------
+    case("space-unknown-key", "search.space.stages.0.local.lrr='lrr'", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.local.lrr": {"type": "float", "low": 0.01, "high": 0.1}}})),
+    case("space-low-above-high", "low=0.1 > high=0.01", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0.1, "high": 0.01}}})),
+    case("space-log-low-zero", "log scale needs low > 0", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0, "high": 0.1, "log": True}}})),
+    case("space-categorical-no-choices", "non-empty `choices`", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.local.batch_size": {"type": "categorical"}}})),
+    case("space-bound-invalid-pipeline", "search.space.stages.0.rounds=0", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.rounds": {"type": "int", "low": 0, "high": 3}}})),
+    case("objective-test-metric", "never optimize test metrics",
+         edit(SEARCHABLE, search={**SEARCH, "objective": {"metric": "test_acc_mean"}})),
+    case("objective-unknown-metric", "search.objective.metric='val_acc'",
+         edit(SEARCHABLE, search={**SEARCH, "objective": {"metric": "val_acc"}})),
+    case("objective-unknown-stage", "search.objective.0.stage='finetune'",
+         edit(SEARCHABLE, search={**SEARCH, "objective": {"metric": "val_acc_mean", "stage": "finetune"}})),
+    case("objective-stage-index", "search.objective.0.stage=5",
+         edit(SEARCHABLE, search={**SEARCH, "objective": {"metric": "val_acc_mean", "stage": 5}})),
+    case("search-trials-zero", "--trials=0", SEARCHABLE, "--trials", "0", command=("search",)),
+    case("search-without-block", "search=None", BASE, command=("search",)),
+    case("search-storage-url", "--storage='redis://localhost'", SEARCHABLE, "--storage", "redis://localhost",
+         command=("search",)),
+    case("search-data-too-small", "stages.0.clients_per_round=9", SEARCHABLE, "stages.0.clients_per_round=9",
+         command=("search",)),
+    # ---- schedules -----------------------------------------------------------------------------------------
+    case("cron-never-fires", "--cron='0 0 30 2 *': never fires", SEARCHABLE, "--cron", "0 0 30 2 *", "--trials", "1",
+         command=("schedule", "add")),
+    case("cron-out-of-range", "--cron='61 * * * *'", SEARCHABLE, "--cron", "61 * * * *", "--trials", "1",
+         command=("schedule", "add")),
+    case("cron-wrong-fields", "--cron='* * *'", SEARCHABLE, "--cron", "* * *", "--trials", "1",
+         command=("schedule", "add")),
+    case("schedule-trials-zero", "--trials=0", SEARCHABLE, "--cron", "0 2 * * *", "--trials", "0",
+         command=("schedule", "add")),
+    case("schedule-without-search", "search=None", BASE, "--cron", "0 2 * * *", "--trials", "1",
+         command=("schedule", "add")),
+    case("schedule-data-too-small", "stages.1.clients_per_round=9", SEARCHABLE, "stages.1.clients_per_round=9",
+         "--cron", "0 2 * * *", "--trials", "1", command=("schedule", "add")),
+    # ---- datasets ------------------------------------------------------------------------------------------
+    case("hf-relative-path-missing", "dataset.source.path='./data/missing.parquet'",
+         hf(path="./data/missing.parquet")),
+    case("hf-absolute-path-missing", "dataset.source.path='/nonexistent/fedpilot/data'",
+         hf(path="/nonexistent/fedpilot/data")),
+    case("hf-home-path-missing", "dataset.source.path='~/no/such/dataset'", hf(path="~/no/such/dataset")),
+    case("hf-deep-path-missing", "dataset.source.path='data/train/part'", hf(path="data/train/part")),
+    case("hf-suffix-missing", "dataset.source.path='train.csv'", hf(path="train.csv")),
+    case("hf-glob-no-match", "no file matches this pattern", hf(path="@DATA@/*.nothing")),
+    case("hf-hub-unreachable", "dataset.source.path='someone/no-such-dataset': cannot load",
+         hf(path="someone/no-such-dataset")),
+    case("hf-loading-script", "dataset.source.path='@DATA@/script': cannot load", hf(path="@DATA@/script")),
+    case("hf-bad-config-name", "dataset.source.name='nope'", hf(path="@DATA@/folder", name="nope")),
+    case("hf-bad-split", "dataset.source.split='test'", hf(path="@DATA@/folder", split="test")),
+    case("hf-text-feature", "dataset.source.feature='text': holds text", hf(feature="text")),
+    case("hf-ragged-feature", "dataset.source.feature='ragged'", hf(feature="ragged")),
+    case("hf-no-feature-column", "dataset.source.feature='pixels': no such column", hf(feature="pixels")),
+    case("hf-no-label-column", "dataset.source.label='labels'", hf(label="labels")),
+    case("hf-no-partition-column", "dataset.source.partition_column='writer'", hf(partition_column="writer")),
+    case("hf-text-data-describe", "dataset.source.feature='text'", hf(feature="text"), command=("data", "describe")),
+    case("source-kind-typo", "did you mean 'digits'", BASE, "dataset.source.kind=digit"),
+    case("partition-kind-typo", "did you mean 'dirichlet'", BASE, "dataset.partition.kind=dirichelt"),
+    case("partition-more-clients-than-samples", "dataset.partition.clients=5000", BASE,
+         "dataset.partition.clients=5000"),
+    case("partition-natural-on-digits", "dataset.partition.kind='natural'", BASE, "dataset.partition.kind=natural"),
+    case("partition-shards-cover", "dataset.partition.classes_per_client=2", BASE, "dataset.partition.kind=shards",
+         "dataset.partition.clients=2"),
+    case("split-no-train", "dataset.split.train=0", BASE, "dataset.split={train: 0, val: 0.5, test: 0.5}"),
+    case("split-sum", "fractions must sum to 1", BASE, "dataset.split.train=0.9"),
+    case("synthetic-no-clients", "dataset.source.n_clients=0", BASE, "dataset=synthetic",
+         "dataset.source.n_clients=0"),
+    case("describe-seed-not-int", "seed='abc'", BASE, "seed=abc", command=("data", "describe")),
+    # ---- models, personalization, cohorts ------------------------------------------------------------------
+    case("model-unknown", "model.name='mlpp'", BASE, "model.name=mlpp"),
+    case("model-unknown-option", "did you mean 'hidden'", BASE, "model.hiden=[3]"),
+    case("model-n-heads", "model.n_heads=3", edit(defaults=[{"dataset": "synthetic"}, "_self_"], dataset=None,
+                                                  model={"name": "transformer", "d_model": 10, "n_heads": 3})),
+    case("model-wrong-input-rank", "model.name='cnn': takes images",
+         edit(defaults=[{"dataset": "synthetic"}, "_self_"], dataset=None, model={"name": "cnn"})),
+    case("model-option-type", "model.hidden='abc'", BASE, "model.hidden=abc"),
+    case("model-option-type-of-other-model", "model.hidden=[8]", BASE, "model=cnn"),
+    case("personalization-bad-regex", "personalization='head.(('", edit(personalization=["head.(("])),
+    case("personalization-stage-bad-regex", "stages.1.personalization='('", BASE,
+         "stages.1.personalization=['(']"),
+    case("personalization-matches-nothing", "matches no parameter name", edit(personalization=["nothing\\.here"])),
+    case("personalization-unknown-preset", "did you mean", edit(personalization="output_layr")),
+    case("cohort-above-federation", "stages.0.clients_per_round=9", BASE, "stages.0.clients_per_round=9",
+         command=("run",)),
+    # ---- other commands ------------------------------------------------------------------------------------
+    case("submit-inf", "stages.0.local.lr=inf", BASE, "stages.0.local.lr=inf", command=("submit",)),
+    case("submit-resolver", "'oc.env'", edit(seed="${oc.env:FEDPILOT_SECRET}"), command=("submit",)),
+    case("submit-bad-name", "name='a/b'", edit(name="a/b"), command=("submit",), escape=True),
+    case("run-resume-unknown", "--resume='nope'", None, "--resume", "nope", command=("run",)),
+    case("run-no-pipeline", "pipeline=None", None, command=("run",)),
+    case("cancel-unknown-job", "JOB_ID=999", None, "999", command=("cancel",)),
+    case("jobs-bad-db-url", "--db='nosuchdb://x'", None, "--db", "nosuchdb://x", command=("jobs",)),
+    case("schedule-pause-unknown", "NAME='nightly'", None, "nightly", command=("schedule", "pause")),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_data(tmp_path_factory) -> Path:
+    """Local Hugging Face files: numbers, text and ragged columns as parquet; a data folder; a folder with a
+    loading script (which `datasets` no longer runs)."""
+    root = tmp_path_factory.mktemp("hf-data")
+    table = datasets.Dataset.from_dict({"x": [[float(i), 1.0] for i in range(40)], "y": [i % 2 for i in range(40)],
+                                        "text": ["hello"] * 40, "ragged": [[1.0] * (1 + i % 3) for i in range(40)]})
+    table.to_parquet(str(root / "numbers.parquet"))
+    (root / "folder").mkdir()
+    table.to_parquet(str(root / "folder" / "train.parquet"))
+    (root / "script").mkdir()
+    (root / "script" / "script.py").write_text("import datasets\n")
+    return root
+
+
+@pytest.fixture
+def place(tmp_path, tmp_path_factory, monkeypatch, hf_data) -> dict[str, Path]:
+    """A fresh working directory with its own MLflow store, cache and platform database; a sibling directory
+    escapes aim at (holding a valid dataset config, `evil.yaml`); the hub offline; a secret in the environment."""
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "evil.yaml").write_text("source: {kind: digits}\npartition: {kind: iid, clients: 8}\n")
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDPILOT_DB", f"sqlite:///{tmp_path}/fedpilot.db")
+    monkeypatch.setenv("FEDPILOT_SECRET", SECRET)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for subprocesses; this process reads the constants below
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    mlflow.set_tracking_uri(uri)
+    return {"tmp": tmp_path, "outside": outside, "data": hf_data}
+
+
+def fill(text: str, place: dict[str, Path]) -> str:
+    """The placeholders of a case filled in for this place."""
+    escape = os.path.relpath(place["outside"] / "evil", configs_dir() / "dataset")
+    return (text.replace("@TMP@", str(place["tmp"])).replace("@OUT@", str(place["outside"]))
+            .replace("@DATA@", str(place["data"])).replace("@ESCAPE@", escape))
+
+
+def write(spec: dict[str, Any] | str | bytes, place: dict[str, Path], file: str = "pipeline.yaml") -> Path:
+    """The case's pipeline file in its working directory."""
+    path = place["tmp"] / file
+    if isinstance(spec, bytes):
+        path.write_bytes(spec)
+    else:
+        path.write_text(fill(spec if isinstance(spec, str) else yaml.safe_dump(spec, sort_keys=False), place))
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def created(tmp: Path) -> list[str]:
+    """What a bad input must not leave: MLflow runs, stage cache entries or checkpoints, job or schedule rows."""
+    found = [str(p) for part in ("stages", "runs") for p in (tmp / "cache" / part).rglob("*") if p.is_file()]
+    for db, tables in (("mlflow.db", ["runs"]), ("fedpilot.db", ["fedpilot_jobs", "fedpilot_schedules"])):
+        if (tmp / db).exists():
+            with sqlite3.connect(tmp / db) as con:
+                known = {row[0] for row in con.execute("select name from sqlite_master where type='table'")}
+                found += [f"{db}:{t}" for t in tables if t in known and con.execute(f"select count(*) from {t}").
+                          fetchone()[0]]
+    return found
+
+
+def check_output(code: int, output: str, expect: str) -> None:
+    assert code == 2, output
+    assert expect in output, output
+    assert "Traceback" not in output, output
+    assert SECRET not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output
+
+
+@pytest.mark.parametrize(("spec", "command", "args", "expect", "escape", "file"), CASES)
+def test_bad_input_exits_2_naming_it_and_creates_nothing(place, spec, command, args, expect, escape, file):
+    before = snapshot(place["outside"])
+    path = [str(write(spec, place, file))] if spec is not None else []
+    code, output = cli(*command, *path, *(fill(a, place) for a in args))
+    check_output(code, output, fill(expect, place))
+    assert created(place["tmp"]) == []
+    if escape:
+        assert snapshot(place["outside"]) == before
+
+
+def test_the_corpus_is_large_and_its_bases_are_valid(place):
+    assert len(CASES) >= 80
+    for spec in (BASE, SEARCHABLE, hf()):
+        code, output = cli("validate", str(write(spec, place)))
+        assert code == 0, output
+
+
+def subprocess_cli(*args: str) -> tuple[int, str, float]:
+    """(exit code, stdout + stderr, seconds) of `python -m fedpilot.cli ARGS`, interpreter start-up included."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", *args], capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+
+
+def test_alias_bomb_is_refused_quickly_by_the_real_entry_point(place):
+    path = write(BOMB, place)
+    start = time.perf_counter()
+    with pytest.raises(SpecError, match="nodes"):
+        compose_pipeline(path)
+    assert time.perf_counter() - start < 1.0  # the check itself; the command below mostly imports torch
+    code, output, seconds = subprocess_cli("run", str(path))
+    check_output(code, output, f"more than {MAX_YAML_NODES:,} nodes")
+    assert seconds < 30, seconds  # the bomb once ran 45 s and took 775 MB before failing
+    assert created(place["tmp"]) == []
+
+
+def test_an_ordinary_bad_override_exits_2_without_traceback_in_a_subprocess(place):
+    code, output, _ = subprocess_cli("run", str(write(BASE, place)), "=1")
+    check_output(code, output, "override='=1'")
+    assert created(place["tmp"]) == []

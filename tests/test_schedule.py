@@ -107,7 +107,8 @@ def test_bad_cron_is_a_spec_error_and_exit_2(cron, searchable, tmp_path):
     assert code == 2 and "--cron=" in output
 
 
-def test_schedule_cli(searchable, tmp_path):
+def test_schedule_cli(searchable, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "cache"))  # `schedule add` builds the dataset to check it
     db = ["--db", f"sqlite:///{tmp_path}/p.db"]
     assert cli("schedule", "add", str(searchable), "--cron", "0 2 * * *", "--trials", "3", "--name", "nightly", *db)[0] == 0
     code, output = cli("schedule", "add", str(searchable), "--cron", "0 3 * * *", "--trials", "3", "--name", "nightly",

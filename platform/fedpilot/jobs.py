@@ -48,6 +48,8 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) 
     from fedpilot.pipeline import prepare as check
     from fedpilot.spec import load_pipeline
 
+    if trials is not None and trials < 1:
+        raise SpecError("--trials", trials, "must be at least 1")
     spec = load_pipeline(path, overrides)
     check(spec, cache_root())
     resolved = absolute_paths(spec.resolved())

@@ -48,7 +48,7 @@ def submit(
     overrides: Overrides = None,
     search: Annotated[bool, typer.Option("--search", help="Queue an Optuna search of the pipeline's `search:` "
                                                           "block instead of one run.")] = False,
-    trials: Annotated[int | None, typer.Option(min=1, help="Total finished trials the search job reaches "
+    trials: Annotated[int | None, typer.Option(help="Total finished trials the search job reaches "
                                                            "(default: the search block's `trials`).")] = None,
     db: Db = None,
 ) -> None:

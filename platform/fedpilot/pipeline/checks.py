@@ -64,7 +64,11 @@ def prepare(spec: PipelineSpec, root: Path) -> Prepared:
             raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,
                             f"the federation has only {data.n_clients} clients")
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model.name, data.feature_shape, data.num_classes, **spec.model.options)
+    try:
+        model = build_model(spec.model.name, data.feature_shape, data.num_classes, **spec.model.options)
+    except (RuntimeError, ValueError, TypeError) as err:  # a builder refusing its options (e.g. a negative size)
+        problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecError("model", spec.model.model_dump(), f"cannot be built: {problem}") from None
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
     check_devices(spec, device, algorithms)
     probe = copy.deepcopy(model)

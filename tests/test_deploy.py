@@ -34,8 +34,8 @@ from mlflow import MlflowClient
 from mlflow.server import get_app_client
 
 from fedpilot.db import connect, utcnow
-from fedpilot.jobs import list_jobs
-from fedpilot.schedule import add
+from fedpilot.jobs.queue import list_jobs
+from fedpilot.jobs.schedule import add
 from pipeline_fixtures import SMALL, cli, write_pipeline
 from postgres import fresh_postgres
 from test_jobs import TINY

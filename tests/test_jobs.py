@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from sqlalchemy import update
 
 from fedpilot.db import Job, connect, session_factory, utcnow
-from fedpilot.jobs import claim, list_jobs, recover, submit
+from fedpilot.jobs.queue import claim, list_jobs, recover, submit
 from pipeline_fixtures import cli, write_pipeline
 
 TINY = {

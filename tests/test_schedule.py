@@ -12,7 +12,7 @@ from apscheduler.triggers.cron import CronTrigger
 
 from fedpilot.db import Firing, Job, connect, session_factory
 from fedpilot.errors import SpecError
-from fedpilot.schedule import add, fire, latest_due, list_schedules, remove, serve, set_paused, tick
+from fedpilot.jobs.schedule import add, fire, latest_due, list_schedules, remove, serve, set_paused, tick
 from pipeline_fixtures import cli, write_pipeline
 from test_jobs import TINY
 

@@ -13,6 +13,7 @@ from fedpilot.engine.protocol import (
     AlgorithmParams,
     ReducibleAggregator,
     RoundInfo,
+    StatefulParams,
     Upload,
 )
 from fedpilot.errors import SpecError
@@ -26,7 +27,8 @@ _LAZY = {
     "Params": "fedpilot.engine.local",  # dict[str, torch.Tensor]: parameters by name
 }
 
-__all__ = ["Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo", "SpecError", "Upload",
+__all__ = ["Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo", "SpecError",
+           "StatefulParams", "Upload",
            *_LAZY]
 
 

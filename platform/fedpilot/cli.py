@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from fedpilot.cli_common import (
+    CacheDir,
+    Overrides,
+    Pipeline,
+    ResultFile,
+    fail,
+    print_json,
+    program,
+    reporting,
+)
 from fedpilot.errors import SpecError
-from fedpilot.result_file import write_result
+from fedpilot.jobs.result_file import write_result
 
 app = typer.Typer(
     name="fedpilot",
@@ -24,23 +31,6 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
-
-Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
-ResultFile = Annotated[Path | None, typer.Option(hidden=True, help="JSON file a worker reads: run id, status, "
-                                                                  "error (written as they become known).")]
-Overrides = Annotated[
-    list[str] | None,
-    typer.Argument(help="Dotted overrides such as dataset.partition.alpha=0.1 or stages.0.rounds=20."),
-]
-CacheDir = Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
-                                                    "$FEDPILOT_CACHE or .fedpilot-cache).")]
-
-
-def fail(err: SpecError) -> None:
-    """Print a user error and exit with code 2."""
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
-
 
 @data_app.command("describe")
 def data_describe(
@@ -69,8 +59,7 @@ def data_describe(
         fail(err)
     summary = {**describe(data), "cache_hit": data.cache_hit, "build_seconds": round(seconds, 3)}
     if as_json:
-        json.dump(summary, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(summary)
     else:
         typer.echo(format_summary(summary))
         origin = "loaded from cache" if data.cache_hit else "built"
@@ -83,8 +72,8 @@ def validate(pipeline: Pipeline, overrides: Overrides = None, cache_dir: CacheDi
     and the model); print the resolved spec (every default filled in) or the first error."""
     from omegaconf import OmegaConf
 
-    from fedpilot.data.federated import cache_root
     from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.settings import cache_root
     from fedpilot.spec import load_pipeline
 
     quiet_lightning()
@@ -117,8 +106,9 @@ def run(
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
     from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
+    from fedpilot.settings import tracking_uri
     from fedpilot.spec import PipelineSpec, load_pipeline
-    from fedpilot.tracking import load_resumed_spec, tracking_uri
+    from fedpilot.tracking import load_resumed_spec
 
     quiet_lightning()
     try:
@@ -140,38 +130,16 @@ def run(
         return
     typer.echo(f"pipeline {spec.name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
                f"{runner.device.type} x{spec.devices}, tracking {runner.uri}")
-    with reporting(result_file):
-        try:
+    try:
+        with reporting(result_file):
             result = runner.run(resume=resume, started=lambda run_id: write_result(result_file, run_id=run_id))
-        except Stopped as stop:
-            typer.echo(f"\nstopped; continue with: {_program()} run --resume {runner.run_id}", err=True)
-            raise typer.Exit(stop.code) from None
+    except Stopped as stop:
+        typer.echo(f"\nstopped; continue with: {program()} run --resume {runner.run_id}", err=True)
+        raise typer.Exit(stop.code) from None
     typer.echo("")
     typer.echo(format_outcomes(result.stages))
-    typer.echo(f"\nbrowse: {_program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
+    typer.echo(f"\nbrowse: {program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
     typer.echo(f"run_id: {result.run_id}")
-
-
-@contextmanager
-def reporting(result_file: Path | None) -> Iterator[None]:
-    """The block's outcome in the job result file: succeeded, or failed/killed with the error."""
-    from fedpilot.pipeline import Stopped
-
-    try:
-        yield
-    except (Stopped, KeyboardInterrupt) as err:
-        write_result(result_file, status="killed", error=f"stopped by a signal ({type(err).__name__})")
-        raise
-    except BaseException as err:
-        write_result(result_file, status="failed", error=f"{type(err).__name__}: {err}")
-        raise
-    write_result(result_file, status="succeeded")
-
-
-def _program() -> str:
-    """How the user invoked fedpilot (e.g. .venv/bin/fedpilot under `make demo`), for commands we suggest."""
-    invoked = sys.argv[0]
-    return invoked if invoked.endswith("/fedpilot") else "fedpilot"
 
 
 def format_outcomes(stages: list) -> str:
@@ -202,10 +170,9 @@ def search(
     result_file: ResultFile = None,
 ) -> None:
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id."""
-    from fedpilot.data.federated import cache_root
-    from fedpilot.db import platform_db_url
     from fedpilot.names import check_name
     from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.settings import cache_root, platform_db_url
     from fedpilot.spec import load_pipeline
     from fedpilot.tuning import Search, quiet_optuna
 
@@ -243,7 +210,7 @@ def ui(
     """Start the MLflow UI on the configured store ($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
     import os
 
-    from fedpilot.tracking import tracking_uri
+    from fedpilot.settings import tracking_uri
 
     uri = tracking_uri()
     if uri.startswith(("http://", "https://")):
@@ -254,7 +221,7 @@ def ui(
                                "--host", host, "--port", str(port)])
 
 
-from fedpilot.jobs_cli import register as register_job_commands  # noqa: E402
+from fedpilot.jobs.cli import register as register_job_commands  # noqa: E402
 
 register_job_commands(app)
 

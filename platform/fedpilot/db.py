@@ -1,4 +1,4 @@
-"""The platform database: jobs, schedules and schedule firings in `fedpilot_*` tables.
+"""The platform database: jobs and their attempts, schedules and their firings, study leases (`fedpilot_*` tables).
 
 Optuna keeps its studies in the same database and owns its `alembic_version` table, so these tables are
 created with `metadata.create_all` (no migrations). All timestamps are UTC.
@@ -6,7 +6,6 @@ created with `metadata.create_all` (no migrations). All timestamps are UTC.
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,19 +34,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from fedpilot.errors import SpecError
 
-DEFAULT_DB = "sqlite:///fedpilot.db"
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 LOST = "lost"  # an attempt whose worker stopped sending heartbeats
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
-
-
-def platform_db_url(cli_value: str | None) -> str:
-    """`--db`, else $FEDPILOT_DB, else sqlite:///fedpilot.db; PostgreSQL URLs go through psycopg 3."""
-    url = cli_value or os.environ.get("FEDPILOT_DB") or DEFAULT_DB
-    for prefix in ("postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
-    return url
 
 
 def utcnow() -> datetime:
@@ -195,3 +184,14 @@ class Firing(Base):
     fire_time: Mapped[datetime] = mapped_column(UTCDateTime)
     job_id: Mapped[int] = mapped_column(ForeignKey("fedpilot_jobs.id"))
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Lease(Base):
+    """Who may create the next trial of an Optuna study (a short lease), and the study's MLflow search run."""
+
+    __tablename__ = "fedpilot_study_leases"
+
+    study: Mapped[str] = mapped_column(String(512), primary_key=True)
+    owner: Mapped[str | None] = mapped_column(String(128))
+    until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))

@@ -496,7 +496,7 @@ class PipelineSpec(Strict):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelineSpec:
-        """Validate a composed pipeline; algorithm params are merged over configs/algorithm/NAME.yaml and checked.
+        """Validate a composed pipeline; algorithm params are checked and completed by the algorithm's Params.
         Stage names follow the one name pattern, personalization regexes compile, every number is finite."""
         check_finite(raw)
         try:
@@ -536,16 +536,12 @@ def _check_regexes(personalization: PersonalizationSpec, key: str) -> None:
 
 
 def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, Any]:
-    """The algorithm's defaults from configs/algorithm/NAME.yaml overlaid with `params`, validated."""
+    """`params` validated by the algorithm's Params (whose fields hold the defaults), every default filled in."""
     from fedpilot.algorithms import ALGORITHMS
 
-    if name not in ALGORITHMS:
-        raise SpecError(f"{key}.algorithm", name, "unknown algorithm", allowed=sorted(ALGORITHMS))
-    defaults_file = configs_dir() / "algorithm" / f"{name}.yaml"
-    defaults = OmegaConf.to_container(OmegaConf.load(defaults_file)) if defaults_file.is_file() else {}
-    params_cls = ALGORITHMS[name].Params
+    params_cls = ALGORITHMS.get_checked(name, f"{key}.algorithm").Params
     try:
-        validated = params_cls.model_validate({**(defaults or {}), **params})
+        validated = params_cls.model_validate(params)
     except ValidationError as err:
         raise from_validation(err, params_cls, f"{key}.params") from None
     check_finite(validated.model_dump(), f"{key}.params")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import tempfile
 import traceback
 from collections.abc import Iterator
@@ -29,15 +28,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from fedpilot import plots
 from fedpilot.errors import SpecError
 
-DEFAULT_URI = "sqlite:///mlflow.db"
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
 SPEC_ARTIFACT = "pipeline.json"
 STOPPED = (KeyboardInterrupt, SystemExit, optuna.TrialPruned)  # ended on purpose: status KILLED, not FAILED
-
-
-def tracking_uri(configured: str | None = None) -> str:
-    """$MLFLOW_TRACKING_URI, else the pipeline's `tracking.uri`, else MLflow's default local SQLite store."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or configured or DEFAULT_URI
 
 
 @contextmanager

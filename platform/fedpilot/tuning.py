@@ -27,20 +27,19 @@ import optuna
 from lightning.pytorch.callbacks import Callback
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
-from sqlalchemy import Column, DateTime, MetaData, String, Table, create_engine, insert, select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from fedpilot.db import Lease, connect
 from fedpilot.errors import SpecError
 from fedpilot.pipeline import PipelineRunner
+from fedpilot.settings import tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
-from fedpilot.tracking import Tracker, close_orphans, schema_init_lock, tracking_uri
+from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
 
 LEASE_SECONDS = 30
 STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-_metadata = MetaData()
-_leases = Table("fedpilot_study_leases", _metadata,
-                Column("study", String(512), primary_key=True), Column("owner", String(128)),
-                Column("until", DateTime(timezone=True)), Column("mlflow_run_id", String(64)))
+_leases = Lease.__table__
 
 
 def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
@@ -95,8 +94,7 @@ class StudyLease:
     """A row per study in the storage database: who may create the next trial, and the study's MLflow run."""
 
     def __init__(self, url: str, study: str):
-        self.engine = create_engine(url, connect_args={"timeout": 30} if url.startswith("sqlite") else {})
-        _metadata.create_all(self.engine)
+        self.engine = connect(url)
         self.study, self.owner = study, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         try:
             with self.engine.begin() as db:

@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
 
 
-class FedAltParams(AlgorithmParams):
+class FedAltParams(StatefulParams):
     """tau_v / tau_u: personal / shared local steps; null = the stage's local budget (e.g. 1 epoch) each.
 
     The paper trains "1 local epoch" per round (App. B.2) without saying how it splits between the two
@@ -27,7 +27,6 @@ class FedAltParams(AlgorithmParams):
     tau_u: int | None = Field(None, ge=1)
     lr_v: float | None = Field(None, gt=0)
     lr_u: float | None = Field(None, gt=0)
-    stateful: bool = True
 
 
 class FedAlt(Algorithm):

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
 
 
-class FedRepParams(AlgorithmParams):
+class FedRepParams(StatefulParams):
     """head_epochs / body_epochs: local epochs of the head phase (body frozen) and of the body phase (head frozen);
     lr_head / lr_body: their lrs (null = the stage's local.lr); stateful: heads persist across rounds."""
 
@@ -31,7 +31,6 @@ class FedRepParams(AlgorithmParams):
     body_epochs: float = Field(1.0, gt=0)
     lr_head: float | None = Field(None, gt=0)
     lr_body: float | None = Field(None, gt=0)
-    stateful: bool = True
 
 
 class FedRep(Algorithm):

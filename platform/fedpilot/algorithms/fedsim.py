@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
 
 
-class FedSimParams(AlgorithmParams):
+class FedSimParams(StatefulParams):
     """tau: joint local steps (null = the stage's local budget); lr_v / lr_u: gamma_v, gamma_u (null = local.lr).
 
     stateful: false gives the stateless variant of App. C.4.
@@ -21,7 +21,6 @@ class FedSimParams(AlgorithmParams):
     tau: int | None = Field(None, ge=1)
     lr_v: float | None = Field(None, gt=0)
     lr_u: float | None = Field(None, gt=0)
-    stateful: bool = True
 
 
 class FedSim(Algorithm):

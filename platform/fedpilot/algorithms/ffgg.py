@@ -101,13 +101,15 @@ class LocalFfggParams(FineTunerParams):
 
 
 class AsyncFfggParams(FfggParams):
-    """max_delay: delays are uniform on {0, .., max_delay} rounds."""
+    """max_delay: delays are uniform on {0, .., max_delay} rounds. The paper assumes bounded delays (Assumption 5)
+    and gives no value: 4 is our choice; 0 is synchronous FFGG, clients_per_round 1 is Algorithm 3 exactly."""
 
     max_delay: int = Field(4, ge=0)
 
 
 class RobustFfggParams(FfggParams):
-    """Byzantine clients (a fixed fraction, their attack and its scale) and the robust aggregator."""
+    """Byzantine clients (a fixed fraction, their attack and its scale) and the robust aggregator. The paper has no
+    Byzantine experiment: these defaults are our choices (see the module docstring for the rules)."""
 
     byzantine_fraction: float = Field(0.1, ge=0, lt=0.5)
     attack: Literal["sign_flip", "gaussian"] = "sign_flip"

@@ -41,12 +41,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload, WeightedMean
+from fedpilot.api import Algorithm, Cohort, StatefulParams, Upload, WeightedMean
 
 Params = dict[str, torch.Tensor]
 
 
-class PflegoParams(AlgorithmParams):
+class PflegoParams(StatefulParams):
     """tau: local head steps per round including the joint one (paper: 50); beta: lr of the tau - 1 head-only
     steps (null = the stage's local.lr); rho: step size of the joint head step, set to the stage's server.lr
     for the exact SGD step of Proposition 1 (null = beta); stateful: false re-initialises W_i at each visit.
@@ -55,7 +55,6 @@ class PflegoParams(AlgorithmParams):
     tau: int = Field(50, ge=1)
     beta: float | None = Field(None, gt=0)
     rho: float | None = Field(None, gt=0)
-    stateful: bool = True
 
 
 class WeightedSum(WeightedMean):

@@ -15,6 +15,7 @@ import torch
 from fedpilot.data.config import DatasetSpec
 from fedpilot.data.partition import partition, split_client
 from fedpilot.data.sources import load_source
+from fedpilot.settings import cache_root
 
 FORMAT_VERSION = 2  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
@@ -67,11 +68,6 @@ def _data_code() -> str:
     for file in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(file.name.encode() + file.read_bytes())
     return digest.hexdigest()
-
-
-def cache_root() -> Path:
-    """fedpilot's cache ($FEDPILOT_CACHE, else .fedpilot-cache in the working directory): data/, stages/, runs/."""
-    return Path(os.environ.get("FEDPILOT_CACHE", ".fedpilot-cache"))
 
 
 def default_cache_dir() -> Path:

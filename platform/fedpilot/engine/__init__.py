@@ -11,7 +11,7 @@ _WHERE = {
     "Cohort": "cohort", "Local": "cohort", "FederatedStage": "stage", "carry_bank": "stage",
     "WeightedMean": "aggregate", "distribution": "metrics",
     "Algorithm": "protocol", "AlgorithmParams": "protocol", "Aggregator": "protocol",
-    "ReducibleAggregator": "protocol", "RoundInfo": "protocol", "Upload": "protocol",
+    "ReducibleAggregator": "protocol", "RoundInfo": "protocol", "Upload": "protocol", "StatefulParams": "protocol",
     "LocalConfig": "config", "LrSchedule": "config", "ServerConfig": "config", "StageConfig": "config",
 }
 __all__ = sorted(_WHERE)

@@ -81,6 +81,13 @@ class AlgorithmParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class StatefulParams(AlgorithmParams):
+    """Hyperparameters of an algorithm with a stateless variant. stateful: false re-initialises a client's
+    personal part at every participation from the stage's starting value, and keeps nothing (paper 000, App. C.4)."""
+
+    stateful: bool = True
+
+
 class Algorithm(ABC):
     """What the engine asks of an algorithm. A subclass sets `name` and `Params` and implements `local_update`;
     the rest has defaults that fit most algorithms.
@@ -102,8 +109,8 @@ class Algorithm(ABC):
     @property
     def stateful(self) -> bool:
         """Personal parameters persist across rounds in the engine's personal bank (else each visit restarts from
-        the stage's starting value); a `stateful` hyperparameter sets it."""
-        return bool(getattr(self.p, "stateful", True))
+        the stage's starting value); StatefulParams' `stateful` sets it."""
+        return self.p.stateful if isinstance(self.p, StatefulParams) else True
 
     @property
     def personal_part(self) -> str | list[str] | None:

@@ -17,7 +17,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from fedpilot.data.federated import cache_root
 from fedpilot.data.summary import describe
 from fedpilot.engine.memory import PeakMemory
 from fedpilot.engine.stage import FederatedStage, carry_bank
@@ -28,8 +27,9 @@ from fedpilot.pipeline.checks import prepare, stage_split
 from fedpilot.pipeline.progress import RoundProgress
 from fedpilot.pipeline.report import SPLITS, stage_report
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
+from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, RoundMetrics, Tracker, flatten, tracking_uri
+from fedpilot.tracking import CACHE_TAG, RoundMetrics, Tracker, flatten
 
 
 @dataclass

@@ -33,19 +33,19 @@ from fedpilot.db import (
     utcnow,
 )
 from fedpilot.errors import SpecError
-from fedpilot.result_file import read_result
+from fedpilot.jobs.result_file import read_result
+from fedpilot.settings import DEFAULT_TRACKING_URI
 
 MAX_ATTEMPTS = 3
 TAIL_CHARS = 4000
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # fedpilot.tracking.DEFAULT_URI, without importing lightning
 PR_SET_PDEATHSIG = 1
 
 
 def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) -> dict[str, Any]:
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere)."""
-    from fedpilot.data.federated import cache_root
     from fedpilot.pipeline import prepare as check
+    from fedpilot.settings import cache_root
     from fedpilot.spec import load_pipeline
 
     if trials is not None and trials < 1:

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from fedpilot.cli_common import AsJson, Db, Overrides, Pipeline, fail, print_json
 from fedpilot.errors import SpecError
-
-Db = Annotated[str | None, typer.Option("--db", help="Platform database URL (default $FEDPILOT_DB, else "
-                                                     "sqlite:///fedpilot.db in the working directory).")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON list of rows for machines.")]
-Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
-Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides such as stages.0.rounds=20.")]
 
 schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
                            no_args_is_help=True)
@@ -23,7 +15,8 @@ schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna stu
 
 def _engine(db: str | None):
     """The platform database engine (tables created) for `--db`."""
-    from fedpilot.db import connect, platform_db_url
+    from fedpilot.db import connect
+    from fedpilot.settings import platform_db_url
 
     return connect(platform_db_url(db))
 
@@ -31,8 +24,7 @@ def _engine(db: str | None):
 def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
     """Rows as a JSON list, or as an aligned text table of `columns`."""
     if as_json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(rows)
         return
     if not rows:
         typer.echo("(none)")
@@ -53,9 +45,8 @@ def submit(
     db: Db = None,
 ) -> None:
     """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id."""
-    from fedpilot.cli import fail
-    from fedpilot.jobs import prepare
-    from fedpilot.jobs import submit as queue
+    from fedpilot.jobs.queue import prepare
+    from fedpilot.jobs.queue import submit as queue
 
     try:
         fields = prepare(pipeline, overrides or [], search, trials)
@@ -75,8 +66,7 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
     a short reason for failed ones."""
     if ctx.invoked_subcommand is not None:
         return
-    from fedpilot.cli import fail
-    from fedpilot.jobs import list_jobs
+    from fedpilot.jobs.queue import list_jobs
 
     try:
         rows = list_jobs(_engine(db))
@@ -90,16 +80,14 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
 def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None,
               as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False) -> None:
     """One job: its fields, every attempt (worker, times, status, exit code, MLflow run, error) and its output."""
-    from fedpilot.cli import fail
-    from fedpilot.jobs import show_job
+    from fedpilot.jobs.queue import show_job
 
     try:
         row = show_job(_engine(db), job_id)
     except SpecError as err:
         fail(err)
     if as_json:
-        json.dump(row, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(row)
         return
     for key in ("id", "kind", "pipeline", "status", "attempts", "worker", "created_at", "started_at", "finished_at",
                 "trials", "study", "exit_code", "mlflow"):
@@ -117,8 +105,7 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
 
 def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None) -> None:
     """Cancel a job: a queued one at once; a running one is killed by its worker and marked cancelled."""
-    from fedpilot.cli import fail
-    from fedpilot.jobs import cancel as cancel_job
+    from fedpilot.jobs.queue import cancel as cancel_job
 
     try:
         status = cancel_job(_engine(db), job_id)
@@ -140,9 +127,8 @@ def worker(
     name: Annotated[str | None, typer.Option(help="Worker name shown by `fedpilot jobs` (default host:pid).")] = None,
 ) -> None:
     """Run queued jobs one at a time, each in a child process (`fedpilot run` or `fedpilot search`)."""
-    from fedpilot.cli import fail
-    from fedpilot.db import platform_db_url
-    from fedpilot.jobs import default_worker_name, work
+    from fedpilot.jobs.queue import default_worker_name, work
+    from fedpilot.settings import platform_db_url
 
     url = platform_db_url(db)
     try:
@@ -160,8 +146,7 @@ def scheduler(
     poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at the schedules.")] = 30.0,
 ) -> None:
     """Fire due schedules: each firing queues a search job adding the schedule's trials to its study."""
-    from fedpilot.cli import fail
-    from fedpilot.schedule import serve
+    from fedpilot.jobs.schedule import serve
 
     try:
         engine = _engine(db)
@@ -182,10 +167,9 @@ def schedule_add(
     db: Db = None,
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials."""
-    from fedpilot.cli import fail
-    from fedpilot.data.federated import cache_root
+    from fedpilot.jobs.schedule import plan, store
     from fedpilot.pipeline import prepare, quiet_lightning
-    from fedpilot.schedule import plan, store
+    from fedpilot.settings import cache_root
 
     quiet_lightning()
     try:
@@ -201,8 +185,7 @@ def schedule_add(
 @schedule_app.command("list")
 def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
     """List schedules with their cron, trials per firing, study, state, firings and next fire time."""
-    from fedpilot.cli import fail
-    from fedpilot.schedule import list_schedules
+    from fedpilot.jobs.schedule import list_schedules
 
     try:
         rows = list_schedules(_engine(db))
@@ -213,8 +196,7 @@ def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
 
 def _change(name: str, db: str | None, action: str) -> None:
     """Pause, resume or remove the schedule `name`."""
-    from fedpilot.cli import fail
-    from fedpilot.schedule import remove, set_paused
+    from fedpilot.jobs.schedule import remove, set_paused
 
     try:
         engine = _engine(db)

@@ -7,28 +7,26 @@ import torch
 from torch import nn
 
 from fedpilot.engine import FederatedStage
+from fedpilot.engine.data import ClientData
 from fedpilot.models.split import ParamSplit
 
 
-class ToyData:
-    """Client-major Gaussian classification data with uneven client sizes (the FederatedData layout)."""
+class ToyData(ClientData):
+    """Client-major Gaussian classification data with uneven client sizes (the engine's ClientData)."""
 
-    def __init__(self, n_clients: int = 12, dim: int = 16, classes: int = 4, seed: int = 0, image: bool = False):
+    def __init__(self, n_clients: int = 12, dim: int = 16, classes: int = 4, seed: int = 0, image: bool = False,
+                 **inputs):
         g = torch.Generator().manual_seed(seed)
         sizes = torch.randint(6, 30, (n_clients,), generator=g)
         train = (sizes * 0.6).long().clamp_min(1)
         val = (sizes - train) // 2
         shift = torch.randn(n_clients, dim, generator=g).repeat_interleave(sizes, 0)
         x = torch.randn(int(sizes.sum()), dim, generator=g) + shift
-        self.y = (x @ torch.randn(dim, classes, generator=g)).argmax(1)
-        self.x = x.view(-1, 1, 4, dim // 4) if image else x
+        y = (x @ torch.randn(dim, classes, generator=g)).argmax(1)
         start = torch.cumsum(sizes, 0) - sizes
-        self.offsets = {"train": start, "val": start + train, "test": start + train + val}
-        self.sizes = {"train": train, "val": val, "test": sizes - train - val}
-        self.n_clients = n_clients
-
-    def to(self, device: torch.device) -> ToyData:
-        return self
+        super().__init__(x.view(-1, 1, 4, dim // 4) if image else x, y,
+                         {"train": start, "val": start + train, "test": start + train + val},
+                         {"train": train, "val": val, "test": sizes - train - val}, **inputs)
 
 
 class TinyMLP(nn.Module):

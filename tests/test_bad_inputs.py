@@ -70,6 +70,11 @@ def edit(spec: dict[str, Any] = BASE, **changes: Any) -> dict[str, Any]:
     return spec
 
 
+def text(**source: Any) -> dict[str, Any]:
+    """`hf` with a word tokenizer for its text."""
+    return edit(hf(**source), dataset__text={"tokenizer": "word", "seq_len": 6})
+
+
 def hf(**source: Any) -> dict[str, Any]:
     """BASE on a Hugging Face source (the local files of the `hf_data` fixture)."""
     return edit(BASE, dataset={"source": {**HF, **source}, "partition": {"kind": "iid", "clients": 4}},
@@ -270,8 +275,31 @@ CASES = [
     # ---- models, personalization, cohorts ------------------------------------------------------------------
     case("model-unknown", "model.name='mlpp'", BASE, "model.name=mlpp"),
     case("model-unknown-option", "did you mean 'hidden'", BASE, "model.hiden=[3]"),
-    case("model-n-heads", "model.n_heads=3", edit(defaults=[{"dataset": "synthetic"}, "_self_"], dataset=None,
-                                                  model={"name": "transformer", "d_model": 10, "n_heads": 3})),
+    case("model-reads-other-inputs", "model.name='transformer': does not read",
+         edit(defaults=[{"dataset": "synthetic"}, "_self_"], dataset=None, model={"name": "transformer"})),
+    case("model-n-heads", "model.n_heads=3", edit(text(feature="text"), model={
+        "name": "text_classifier", "d_model": 10, "n_heads": 3})),
+    # ---- tasks, text and augmentation ----------------------------------------------------------------------
+    case("float-target-as-classes", "dataset.task='classification': the target column holds", hf(label="z")),
+    case("regression-target-not-numbers", "dataset.source.label='text': task regression needs numbers",
+         edit(hf(label="text"), dataset__task="regression")),
+    case("regression-by-label-skew", "dataset.partition.kind='dirichlet'", edit(
+        BASE, dataset={"task": "regression", "source": {"kind": "sklearn", "name": "diabetes"},
+                       "partition": {"kind": "dirichlet", "clients": 4}})),
+    case("next-token-without-text", "dataset.text=None", edit(hf(feature="text"), dataset__task="next_token")),
+    case("next-token-on-numbers", "dataset.task='next_token': learns from text",
+         edit(text(feature="x"), dataset__task="next_token")),
+    case("unknown-tokenizer", "dataset.text.tokenizer='bpe'", edit(text(feature="text"), dataset__text={
+        "tokenizer": "bpe"})),
+    case("missing-tokenizer-file", "dataset.text.tokenizer='nowhere/tokenizer.json'", edit(
+        text(feature="text"), dataset__text={"tokenizer": "nowhere/tokenizer.json"})),
+    case("augment-non-image", "dataset.augment=['hflip']: augmentations apply to images",
+         edit(defaults=[{"dataset": "synthetic"}, {"model": "mlp"}, "_self_"], dataset={"augment": ["hflip"]})),
+    case("augment-unknown", "dataset.augment.0.kind='rotate'", BASE, "+dataset.augment=[rotate]"),
+    case("objective-of-another-task", "search.objective.0.metric='val_acc_mean': not recorded by task regression",
+         edit(SEARCHABLE, dataset={"task": "regression", "source": {"kind": "sklearn", "name": "diabetes"},
+                                   "partition": {"kind": "iid", "clients": 8}},
+              search={**SEARCH, "objective": {"metric": "val_acc_mean"}})),
     case("model-wrong-input-rank", "model.name='cnn': takes images",
          edit(defaults=[{"dataset": "synthetic"}, "_self_"], dataset=None, model={"name": "cnn"})),
     case("model-option-type", "model.hidden='abc'", BASE, "model.hidden=abc"),
@@ -307,7 +335,8 @@ def hf_data(tmp_path_factory) -> Path:
     loading script (which `datasets` no longer runs)."""
     root = tmp_path_factory.mktemp("hf-data")
     table = datasets.Dataset.from_dict({"x": [[float(i), 1.0] for i in range(40)], "y": [i % 2 for i in range(40)],
-                                        "text": ["hello"] * 40, "ragged": [[1.0] * (1 + i % 3) for i in range(40)]})
+                                        "text": ["hello"] * 40, "ragged": [[1.0] * (1 + i % 3) for i in range(40)],
+                                        "z": [i * 0.37 for i in range(40)]})
     table.to_parquet(str(root / "numbers.parquet"))
     (root / "folder").mkdir()
     table.to_parquet(str(root / "folder" / "train.parquet"))

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from fedpilot.data import DatasetSpec, FederatedData, build_federated_data, describe, format_summary
 from fedpilot.spec import compose_pipeline
@@ -19,13 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("import hashlib, sys; from fedpilot.data import DatasetSpec, build_federated_data; "
          "d = build_federated_data(DatasetSpec.from_dict({'source': {'kind': 'digits'}, 'partition': "
          "{'kind': 'dirichlet', 'alpha': 0.3, 'clients': 30}}), 0, sys.argv[1]); "
-         "print(hashlib.sha256(d.x.numpy().tobytes() + d.y.numpy().tobytes()).hexdigest())")
-
-
-def rows(data, split: str, client: int) -> torch.Tensor:
-    """Row indices into x / y of one client's split."""
-    start = int(data.offsets[split][client])
-    return torch.arange(start, start + int(data.sizes[split][client]))
+         "print(hashlib.sha256(d.x.tobytes() + d.y.tobytes()).hexdigest())")
 
 
 def digits(cache: Path, seed: int = 0, split: dict | None = None, **partition) -> FederatedData:
@@ -35,15 +29,16 @@ def digits(cache: Path, seed: int = 0, split: dict | None = None, **partition) -
 
 def test_client_major_layout(tmp_path):
     data = digits(tmp_path, kind="dirichlet", clients=30, alpha=0.3)
-    covered = torch.zeros(len(data.y), dtype=torch.int64)
+    covered = np.zeros(len(data.y), dtype=np.int64)
     for split in ("train", "val", "test"):
         for c in range(data.n_clients):
-            covered[rows(data, split, c)] += 1
-    assert torch.all(covered == 1) and data.x.shape == (1797, 1, 8, 8) and data.y.dtype == torch.int64
-    assert torch.equal(data.offsets["val"], data.offsets["train"] + data.sizes["train"])
-    assert torch.equal(data.offsets["test"], data.offsets["val"] + data.sizes["val"])
-    assert torch.equal(data.offsets["train"][1:], data.offsets["test"][:-1] + data.sizes["test"][:-1])
-    assert data.client_names == [str(i) for i in range(30)] and data.to("cpu").n_clients == 30
+            covered[data.rows(split, c)] += 1
+    assert np.all(covered == 1) and data.x.shape == (1797, 1, 8, 8) and data.y.dtype == np.int64
+    assert np.array_equal(data.offsets["val"], data.offsets["train"] + data.sizes["train"])
+    assert np.array_equal(data.offsets["test"], data.offsets["val"] + data.sizes["val"])
+    assert np.array_equal(data.offsets["train"][1:], data.offsets["test"][:-1] + data.sizes["test"][:-1])
+    assert data.client_names == [str(i) for i in range(30)] and data.n_clients == 30
+    assert isinstance(data.x, np.memmap)  # memory-mapped from the cache, not read into memory
 
 
 def test_same_seed_same_tensors_other_seed_differs(tmp_path):
@@ -51,13 +46,13 @@ def test_same_seed_same_tensors_other_seed_differs(tmp_path):
     b = digits(tmp_path / "b", kind="dirichlet", clients=30, alpha=0.3)
     c = digits(tmp_path / "c", seed=1, kind="dirichlet", clients=30, alpha=0.3)
     assert not a.cache_hit and not b.cache_hit and a.fingerprint == b.fingerprint != c.fingerprint
-    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and torch.equal(a.sizes["train"], b.sizes["train"])
-    assert not torch.equal(a.y, c.y)
+    assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
+    assert np.array_equal(a.sizes["train"], b.sizes["train"]) and not np.array_equal(a.y, c.y)
 
 
 def test_identical_in_a_fresh_process(tmp_path):
     here = digits(tmp_path / "here", kind="dirichlet", clients=30, alpha=0.3)
-    expected = hashlib.sha256(here.x.numpy().tobytes() + here.y.numpy().tobytes()).hexdigest()
+    expected = hashlib.sha256(here.x.tobytes() + here.y.tobytes()).hexdigest()
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "there")], check=True, capture_output=True,
                          text=True).stdout.strip()
     assert out == expected
@@ -68,9 +63,11 @@ def test_cache_hit_and_fingerprint(tmp_path):
     start = time.perf_counter()
     second = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3)
     assert time.perf_counter() - start < 1.0
-    assert second.cache_hit and not first.cache_hit and [p.name for p in tmp_path.iterdir()] == [
-        f"{first.fingerprint}.pt"]
-    assert torch.equal(first.y, second.y) and torch.equal(first.x, second.x) and first.feature_shape == second.feature_shape
+    assert second.cache_hit and not first.cache_hit and [p.name for p in tmp_path.iterdir()] == [first.fingerprint]
+    assert {p.name for p in (tmp_path / first.fingerprint).iterdir()} == {"x.npy", "y.npy", "index.npz", "meta.json",
+                                                                           "summary.json"}
+    assert np.array_equal(first.y, second.y) and np.array_equal(first.x, second.x)
+    assert first.feature_shape == second.feature_shape
     other_split = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3,
                          split={"train": 0.8, "val": 0.1, "test": 0.1})
     other_seed = digits(tmp_path, seed=3, kind="dirichlet", clients=100, alpha=0.3)
@@ -86,15 +83,15 @@ def test_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "env"))
     spec = DatasetSpec.from_dict({"source": {"kind": "digits"}, "partition": {"kind": "iid", "clients": 5}})
     data = build_federated_data(spec, 0)
-    assert (tmp_path / "env" / "data" / f"{data.fingerprint}.pt").exists()
+    assert (tmp_path / "env" / "data" / data.fingerprint / "meta.json").exists()
 
 
 def test_normalize_standardises_train_features(tmp_path):
     spec = {"source": {"kind": "synthetic", "n_clients": 20, "dim": 8}, "normalize": True}
     data = build_federated_data(DatasetSpec.from_dict(spec), 0, tmp_path)
-    train = torch.cat([data.x[rows(data, "train", c)] for c in range(data.n_clients)])
-    torch.testing.assert_close(train.mean(0), torch.zeros(8), atol=1e-4, rtol=0)
-    torch.testing.assert_close(train.std(0), torch.ones(8), atol=1e-4, rtol=0)
+    train = np.concatenate([data.x[data.rows("train", c)] for c in range(data.n_clients)])
+    np.testing.assert_allclose(train.mean(0), np.zeros(8), atol=1e-4)
+    np.testing.assert_allclose(train.std(0), np.ones(8), atol=1e-4)
 
 
 def test_describe_and_format_summary(tmp_path):

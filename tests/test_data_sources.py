@@ -9,6 +9,7 @@ from PIL import Image
 
 from fedpilot.data import DatasetSpec, build_federated_data
 from fedpilot.data.config import HFSource, SyntheticSource
+from fedpilot.data.federated import task_targets
 from fedpilot.data.sources import digits, hugging_face, synthetic
 from fedpilot.errors import SpecError
 
@@ -62,7 +63,7 @@ def test_synthetic_seed_and_natural_clients(tmp_path):
 
 def test_digits_source():
     raw = digits()
-    assert raw.x.shape == (1797, 1, 8, 8) and raw.feature_shape == (1, 8, 8) and raw.num_classes == 10
+    assert raw.x.shape == (1797, 1, 8, 8) and raw.feature_shape == (1, 8, 8) and raw.class_names == 10
     assert raw.x.dtype == np.float32 and raw.x.min() == 0 and raw.x.max() == 1
     assert raw.y.dtype == np.int64 and set(raw.y.tolist()) == set(range(10)) and raw.groups is None
 
@@ -70,10 +71,10 @@ def test_digits_source():
 @pytest.mark.parametrize("store", ["disk", "dict", "parquet", "glob"])
 def test_hf_images_labels_and_writers(femnist_paths, store):
     raw = hugging_face(hf(femnist_paths[store], partition_column="writer_id"))
-    first = np.asarray(femnist_like()[0]["image"], dtype=np.float32) / 255
-    assert raw.x.shape == (WRITERS * PER_WRITER, 1, 28, 28) and raw.x.dtype == np.float32
-    np.testing.assert_allclose(raw.x[0, 0], first)
-    assert raw.num_classes == 62 and raw.y.dtype == np.int64 and raw.y.max() < 62
+    first = np.asarray(femnist_like()[0]["image"])
+    assert raw.x.shape == (WRITERS * PER_WRITER, 1, 28, 28) and raw.x.dtype == np.uint8 and raw.scale == 1 / 255
+    np.testing.assert_array_equal(raw.x[0, 0], first)  # pixels kept as bytes: a quarter of a float copy
+    assert raw.class_names == 62 and raw.y.max() < 62
     assert len(set(raw.groups.tolist())) == WRITERS
 
 
@@ -98,12 +99,16 @@ def test_hf_string_labels_numeric_features_rgb_and_max_samples(tmp_path):
                                                                    "name": datasets.Value("string"),
                                                                    "num": datasets.Value("int64")}))
     table.save_to_disk(str(tmp_path / "t"))
-    raw = hugging_face(HFSource(path=str(tmp_path / "t"), feature="vec", label="name"))
+    source = HFSource(path=str(tmp_path / "t"), feature="vec", label="name")
+    raw = hugging_face(source)
     assert raw.x.shape == (5, 2) and raw.x.dtype == np.float32 and raw.x[1].tolist() == [1, 1.5]
-    assert raw.y.tolist() == [2, 0, 2, 1, 0] and raw.num_classes == 3  # sorted: ant, bee, cat
-    assert hugging_face(HFSource(path=str(tmp_path / "t"), feature="vec", label="num")).y.tolist() == [1, 0, 1, 2, 0]
+    spec = DatasetSpec(source=source)
+    ids, classes = task_targets(raw, spec)
+    assert ids.tolist() == [2, 0, 2, 1, 0] and classes == 3  # sorted: ant, bee, cat
+    numbers = hugging_face(HFSource(path=str(tmp_path / "t"), feature="vec", label="num"))
+    assert task_targets(numbers, spec)[0].tolist() == [1, 0, 1, 2, 0]
     image = hugging_face(HFSource(path=str(tmp_path / "t"), feature="img", label="name", max_samples=2))
-    assert image.x.shape == (2, 3, 3, 4) and image.x[0, :, 0, 0].tolist() == [1, 0, 0]
+    assert image.x.shape == (2, 3, 3, 4) and (image.x[0, :, 0, 0] * image.scale).tolist() == [1, 0, 0]
 
 
 @pytest.mark.parametrize(("extra", "key"), [({"label": "char"}, "dataset.source.label='char'"),

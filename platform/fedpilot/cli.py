@@ -137,21 +137,24 @@ def run(
         typer.echo(f"\nstopped; continue with: {program()} run --resume {runner.run_id}", err=True)
         raise typer.Exit(stop.code) from None
     typer.echo("")
-    typer.echo(format_outcomes(result.stages))
+    typer.echo(format_outcomes(result.stages, runner.task.primary))
     typer.echo(f"\nbrowse: {program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
     typer.echo(f"run_id: {result.run_id}")
 
 
-def format_outcomes(stages: list) -> str:
-    """Per-stage distribution of per-client test accuracy, as a small text table."""
+def format_outcomes(stages: list, metric: str = "acc") -> str:
+    """Per-stage distribution of the per-client test `metric` (the task's primary one), as a small text table."""
     cols = ["mean", "weighted", "min", "p10", "p50", "p90"]
     lines = [f"{'stage':<16}{'cache':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'better':>8}"]
     for o in stages:
-        better = o.metrics.get("test_acc_frac_better")
-        lines.append(f"{o.name:<16}{o.cache:>6}" + "".join(f"{o.metrics.get('test_acc_' + c, float('nan')):9.3f}"
+        better = o.metrics.get(f"test_{metric}_frac_better")
+        lines.append(f"{o.name:<16}{o.cache:>6}" + "".join(f"{o.metrics.get(f'test_{metric}_' + c, float('nan')):9.3f}"
                                                          for c in cols)
                      + (f"{better:8.0%}" if better is not None else f"{'':>8}"))
-    return "per-client test accuracy\n" + "\n".join(lines)
+    return f"per-client test {METRIC_NAMES.get(metric, metric)}\n" + "\n".join(lines)
+
+
+METRIC_NAMES = {"acc": "accuracy", "mse": "mean squared error"}
 
 
 @app.command()

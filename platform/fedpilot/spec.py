@@ -74,7 +74,8 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     if path.suffix not in {".yaml", ".yml"}:
         raise SpecError("pipeline", str(path), "a pipeline is a .yaml file")
     groups = config_groups()
-    check_user_yaml(read_user_yaml(path), groups)
+    user = read_user_yaml(path)
+    check_user_yaml(user, groups)
     _check_omegaconf_yaml(path)
     check_overrides(overrides, groups)
     search = f"hydra.searchpath=[file://{configs_dir()}]"
@@ -91,6 +92,27 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     if not isinstance(composed, dict):
         raise SpecError("pipeline", str(path), "a pipeline is a mapping of keys to values")
     check_finite(composed)
+    return _own_model_options(composed, user, overrides)
+
+
+def _own_model_options(composed: dict[str, Any], user: dict[str, Any], overrides: list[str] | tuple[str, ...]
+                       ) -> dict[str, Any]:
+    """A model's options come only from its own config: when the pipeline names another model than the model
+    group it composed (`model: {name: transformer}` over `defaults: [{model: mlp}]`), the group's options (mlp's
+    `hidden`) are dropped and only the options the user gave stay."""
+    model = composed.get("model")
+    choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "model"), None)
+    choice = choice or next((d["model"] for d in user.get("defaults", []) if isinstance(d, dict) and "model" in d),
+                            None)
+    if not isinstance(model, dict) or choice is None:
+        return composed
+    group = OmegaConf.to_container(OmegaConf.load(configs_dir() / "model" / f"{choice}.yaml"))
+    if model.get("name") == group.get("name"):
+        return composed
+    given = set(user.get("model") or {}) | {key.split(".", 2)[1] for key in (o.split("=", 1)[0].lstrip("+~")
+                                                                            for o in overrides)
+                                            if key.startswith("model.")}
+    composed["model"] = {k: v for k, v in model.items() if k == "name" or k in given or k not in group}
     return composed
 
 
@@ -386,11 +408,31 @@ class TrackingSpec(Strict):
         return experiment if experiment is None else check_name("tracking.experiment", experiment)
 
 
-OBJECTIVE_METRICS = [
-    *(f"val_acc_{stat}" for stat in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max",
-                                     "frac_better", "frac_worse")),
-    "shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "comm_bytes_per_round", "peak_memory_bytes",
-]
+STATS = ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")
+FOOTPRINTS = ("shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "comm_bytes_per_round",
+              "peak_memory_bytes")
+# What each task records per client (fedpilot.engine.task, kept torch-free here; a test checks they agree):
+# metric -> recorded with its whole distribution (else its weighted mean only); the first is the primary one.
+TASK_METRICS = {"classification": {"acc": True, "loss": False}, "next_token": {"acc": True, "loss": True},
+                "regression": {"mse": True, "mae": True}}
+
+
+def recorded_metrics(task: str) -> list[str]:
+    """The validation metrics of a stage of `task` a search can optimize, and the footprints."""
+    metrics = TASK_METRICS[task]
+    primary = next(iter(metrics))
+    names = [f"val_{m}_{stat}" for m, whole in metrics.items() for stat in (STATS if whole else ("weighted",))]
+    return [*names, f"val_{primary}_frac_better", f"val_{primary}_frac_worse", *FOOTPRINTS]
+
+
+OBJECTIVE_METRICS = sorted({m for task in TASK_METRICS for m in recorded_metrics(task)})
+
+
+def default_direction(metric: str) -> str:
+    """maximize accuracy and the fraction of clients better off; minimize losses, errors, the fraction worse off
+    and footprints."""
+    return "maximize" if metric.startswith("val_acc_") and not metric.endswith("frac_worse") or \
+        metric.endswith("frac_better") else "minimize"
 
 
 class Param(Strict):
@@ -425,7 +467,7 @@ class Objective(Strict):
 
     metric: str
     stage: int | str = -1
-    direction: Literal["maximize", "minimize"] = "maximize"
+    direction: Literal["maximize", "minimize"] | None = None  # default: default_direction(metric)
 
     @field_validator("metric")
     @classmethod
@@ -435,6 +477,11 @@ class Objective(Strict):
         if metric not in OBJECTIVE_METRICS:
             raise SpecError("search.objective.metric", metric, "not a recorded stage metric", OBJECTIVE_METRICS)
         return metric
+
+    @model_validator(mode="after")
+    def _direction(self) -> Objective:
+        self.direction = self.direction or default_direction(self.metric)
+        return self
 
 
 class SamplerSpec(Strict):
@@ -579,6 +626,9 @@ def _check_search(spec: PipelineSpec) -> None:
         if (isinstance(stage, int) and not -len(names) <= stage < len(names)) or (
                 isinstance(stage, str) and stage not in names):
             raise SpecError(f"search.objective.{i}.stage", stage, "no such stage", allowed=names)
+        if objective.metric not in recorded_metrics(spec.dataset.task):
+            raise SpecError(f"search.objective.{i}.metric", objective.metric, f"not recorded by task "
+                            f"{spec.dataset.task}", allowed=recorded_metrics(spec.dataset.task))
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:

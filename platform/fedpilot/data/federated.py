@@ -1,4 +1,10 @@
-"""Client-major tensors for the engine, built once and cached on disk by fingerprint."""
+"""Client-major arrays for the engine, built once and cached on disk by fingerprint (numpy; no torch).
+
+A cache entry is a folder <cache>/data/<fingerprint>/ with x.npy (and y.npy), index.npz (per-split offsets and
+sizes), meta.json, summary.json and, for text, tokenizer.json. Loading memory-maps the arrays, so a dataset
+costs the memory of the pages the engine touches, and building holds one copy of the stored rows (images as
+uint8, never a float copy of the whole set).
+"""
 
 from __future__ import annotations
 
@@ -6,58 +12,75 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 from fedpilot.data.config import DatasetSpec
 from fedpilot.data.partition import partition, split_client
-from fedpilot.data.sources import load_source
+from fedpilot.data.sources import RawData, load_source
+from fedpilot.errors import SpecError
 from fedpilot.settings import cache_root
 
-FORMAT_VERSION = 2  # bump when the stored layout or the build algorithm changes
+FORMAT_VERSION = 3  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
 
 
 @dataclass(eq=False)
 class FederatedData:
-    """All samples in one tensor, client after client (each client's train, val, test samples in a row),
-    with per-split offsets and sizes [n_clients] into it. `cache_hit` says whether it came from the disk cache."""
+    """All samples in one array, client after client (each client's train, val, test samples in a row), with
+    per-split offsets and sizes [n_clients] into it.
 
-    x: torch.Tensor
-    y: torch.Tensor
-    offsets: dict[str, torch.Tensor]
-    sizes: dict[str, torch.Tensor]
+    x: the stored rows: float32 features, uint8 image pixels (in [0, 1] after multiplying by `scale`), or int64
+       token ids (next_token: windows [n, seq_len + 1] whose inputs are [:, :-1] and targets [:, 1:]).
+    y: targets (int64 class ids, float32 regression targets); None for next_token.
+    num_classes: the model's outputs: classes, the vocabulary size (next_token) or regression targets.
+    mean / std: per-channel normalization of image inputs (the `normalize` augmentation); specials / vocab_size:
+    the token ids of pad, unk, bos, eos and the vocabulary's size (text); augment: the training-batch augmentations (plain dicts); folder: the cache entry.
+    """
+
+    x: np.ndarray
+    y: np.ndarray | None
+    offsets: dict[str, np.ndarray]
+    sizes: dict[str, np.ndarray]
+    task: str
     num_classes: int
     feature_shape: tuple[int, ...]
     client_names: list[str]
     fingerprint: str
+    scale: float = 1.0
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    specials: dict[str, int] | None = None
+    vocab_size: int | None = None
+    augment: list[dict[str, Any]] = field(default_factory=list)
+    folder: Path | None = None
     cache_hit: bool = False
 
     @property
     def n_clients(self) -> int:
         return len(self.client_names)
 
-    def to(self, device: torch.device | str) -> FederatedData:
-        """A copy with every tensor on `device`."""
-        offsets = {k: v.to(device) for k, v in self.offsets.items()}
-        sizes = {k: v.to(device) for k, v in self.sizes.items()}
-        return replace(self, x=self.x.to(device), y=self.y.to(device), offsets=offsets, sizes=sizes)
+    def rows(self, split: str, client: int) -> np.ndarray:
+        """The row indices of one client's split."""
+        start = int(self.offsets[split][client])
+        return np.arange(start, start + int(self.sizes[split][client]))
 
-    def state(self) -> dict:
-        """What the cache stores: tensors and plain Python values only (loadable with weights_only=True)."""
-        return {"x": self.x, "y": self.y, "offsets": self.offsets, "sizes": self.sizes,
-                "num_classes": self.num_classes, "feature_shape": list(self.feature_shape),
-                "client_names": self.client_names, "fingerprint": self.fingerprint}
+    def targets(self) -> np.ndarray:
+        """Each row's target: `y`, or the next tokens of a next-token window."""
+        return self.x[:, 1:] if self.y is None else self.y
 
 
 def fingerprint(spec: DatasetSpec, seed: int) -> str:
-    """sha256 (16 hex chars) of everything that determines the tensors: spec, effective seed, FORMAT_VERSION and
-    the data package's code (an edited partitioner or source builds anew)."""
+    """sha256 (16 hex chars) of everything that determines the arrays: spec, effective seed, FORMAT_VERSION, the
+    data package's code (an edited partitioner or source builds anew) and a tokenizer file's contents."""
+    tokenizer = spec.text.tokenizer if spec.text else None
+    saved = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer and os.path.isfile(tokenizer) else None
     blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION,
-                       "code": _data_code()}, sort_keys=True, separators=(",", ":"))
+                       "code": _data_code(), "tokenizer": saved}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -79,34 +102,165 @@ def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = 
     """The federated dataset of `spec` (with spec.seed, else `seed`), loaded from the cache when built before."""
     seed = spec.seed if spec.seed is not None else seed
     key = fingerprint(spec, seed)
-    path = Path(cache_dir or default_cache_dir()) / f"{key}.pt"
-    if path.exists():
-        state = torch.load(path, weights_only=True)
-        return FederatedData(**{**state, "feature_shape": tuple(state["feature_shape"])}, cache_hit=True)
-    data = _build(spec, seed, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(data.state(), tmp)
-    os.replace(tmp, path)
-    return data
+    root = Path(cache_dir or default_cache_dir())
+    folder = root / key
+    if (folder / "meta.json").is_file():
+        return load(folder, cache_hit=True)
+    built = Build(spec, seed, key, root.parent / "downloads")
+    built.save(folder)
+    return load(folder)
 
 
-def _build(spec: DatasetSpec, seed: int, key: str) -> FederatedData:
-    """Load, partition, split each client, and lay the samples out client-major."""
-    rng = np.random.default_rng([seed, 1])
-    raw = load_source(spec.source, seed, spec.partition.column)
-    clients = partition(raw.y, raw.groups, spec.partition, rng)
-    parts = [split_client(idx, raw.y, spec.split, rng) for idx in clients]
-    order = np.concatenate([p[s] for p in parts for s in SPLITS])
-    sizes = {s: torch.tensor([len(p[s]) for p in parts], dtype=torch.int64) for s in SPLITS}
-    totals = sizes["train"] + sizes["val"] + sizes["test"]
-    starts = torch.cumsum(totals, 0) - totals
-    offsets = {"train": starts, "val": starts + sizes["train"], "test": starts + sizes["train"] + sizes["val"]}
-    x = torch.from_numpy(raw.x[order])
-    if spec.normalize:
-        train = torch.from_numpy(raw.x[np.concatenate([p["train"] for p in parts])])
-        x = (x - train.mean(0)) / train.std(0).clamp_min(1e-6)
-    natural = spec.partition.kind == "natural"
-    names = [str(raw.groups[c[0]]) if natural else str(i) for i, c in enumerate(clients)]
-    return FederatedData(x.contiguous(), torch.from_numpy(raw.y[order]), offsets, sizes, raw.num_classes,
-                         raw.feature_shape, names, key)
+def load(folder: Path, cache_hit: bool = False) -> FederatedData:
+    """A cache entry, its arrays memory-mapped copy-on-write (shared pages, writable views for torch)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    index = np.load(folder / "index.npz")
+    y = np.load(folder / "y.npy", mmap_mode="c") if (folder / "y.npy").is_file() else None
+    return FederatedData(np.load(folder / "x.npy", mmap_mode="c"), y,
+                         {s: index[f"offsets_{s}"] for s in SPLITS}, {s: index[f"sizes_{s}"] for s in SPLITS},
+                         **{**meta, "feature_shape": tuple(meta["feature_shape"])}, folder=folder, cache_hit=cache_hit)
+
+
+class Build:
+    """Load a source, check it against the task, partition it, split each client, tokenize text, and lay the
+    samples out client-major (`save` writes the cache entry atomically)."""
+
+    def __init__(self, spec: DatasetSpec, seed: int, key: str, downloads: Path):
+        self.spec, self.key, self.tokenizer = spec, key, None
+        rng = np.random.default_rng([seed, 1])
+        raw = load_source(spec.source, seed, spec.partition.column, downloads)
+        targets, self.num_classes = task_targets(raw, spec)
+        strata = targets if spec.task == "classification" else np.zeros(len(raw.x), dtype=np.int64)
+        clients = partition(strata, raw.groups, spec.partition, rng)
+        parts = [split_client(idx, strata, spec.split, rng) for idx in clients]
+        natural = spec.partition.kind == "natural"
+        self.names = [str(raw.groups[c[0]]) if natural else str(i) for i, c in enumerate(clients)]
+        self.meta: dict[str, Any] = {"scale": raw.scale}
+        if raw.is_text:
+            self.x, self.y, sizes = self._tokenized(raw, targets, parts)
+        else:
+            order = np.concatenate([p[s] for p in parts for s in SPLITS])
+            self.x, self.y = raw.x[order], None if targets is None else targets[order]
+            sizes = {s: np.array([len(p[s]) for p in parts], dtype=np.int64) for s in SPLITS}
+            self.feature_shape = raw.feature_shape
+        self.sizes = sizes
+        totals = sizes["train"] + sizes["val"] + sizes["test"]
+        starts = np.cumsum(totals) - totals
+        self.offsets = {"train": starts, "val": starts + sizes["train"], "test": starts + sizes["train"] + sizes["val"]}
+        self._inputs(raw)
+
+    def _tokenized(self, raw: RawData, targets: np.ndarray | None, parts: list[dict[str, np.ndarray]]):
+        """Token ids: next_token windows packed per client and split, or one padded sequence per sample."""
+        from fedpilot.data.text import build_tokenizer, encode, pack_windows, pad_to, special_ids
+
+        text = self.spec.text
+        if text is None:
+            raise SpecError("dataset.source.feature", _feature_name(self.spec), "holds text: give dataset.text "
+                            "{tokenizer: char|word|PATH, vocab_size, seq_len} to tokenize it")
+        train = np.concatenate([p["train"] for p in parts])
+        self.tokenizer = build_tokenizer(text, raw.x[train].tolist())
+        ids = special_ids(self.tokenizer)
+        self.meta.update(specials=ids, vocab_size=self.tokenizer.get_vocab_size())
+        self.feature_shape = (text.seq_len,)
+        if self.spec.task == "next_token":
+            self.num_classes = self.tokenizer.get_vocab_size()
+            windows = [[pack_windows(encode(self.tokenizer, raw.x[p[s]]), text.seq_len, ids, text.pack)
+                        for s in SPLITS] for p in parts]
+            sizes = {s: np.array([len(w[i]) for w in windows], dtype=np.int64) for i, s in enumerate(SPLITS)}
+            return np.concatenate([w for client in windows for w in client]), None, sizes
+        order = np.concatenate([p[s] for p in parts for s in SPLITS])
+        x = pad_to(encode(self.tokenizer, raw.x[order]), text.seq_len, ids["pad"])
+        return x, targets[order], {s: np.array([len(p[s]) for p in parts], dtype=np.int64) for s in SPLITS}
+
+    def _inputs(self, raw: RawData) -> None:
+        """Check the augmentations against the inputs; normalization statistics of the training split."""
+        spec = self.spec
+        if spec.augment and not raw.is_image:
+            raise SpecError("dataset.augment", [a.kind for a in spec.augment], "augmentations apply to images "
+                            f"[channels, height, width]; these inputs are {_kind(raw)}")
+        train = np.concatenate([np.arange(o, o + n) for o, n in zip(self.offsets["train"], self.sizes["train"],
+                                                                   strict=True)])
+        if spec.normalize:
+            if raw.is_text or raw.x.dtype == np.uint8:
+                raise SpecError("dataset.normalize", True, f"z-scores numeric features; these inputs are "
+                                f"{_kind(raw)} (images: use dataset.augment: [normalize])")
+            rows = self.x[train]
+            self.x = (self.x - rows.mean(0)) / np.maximum(rows.std(0), 1e-6)
+        for augment in spec.augment:
+            if augment.kind == "normalize":
+                pixels = self.x[train].astype(np.float64) * raw.scale
+                channels = pixels.shape[1]
+                mean = augment.mean or pixels.mean((0, 2, 3)).tolist()
+                std = augment.std or pixels.std((0, 2, 3)).tolist()
+                if len(mean) != channels or len(std) != channels:
+                    raise SpecError("dataset.augment.normalize", {"mean": mean, "std": std},
+                                    f"needs one mean and one std per channel ({channels})")
+                self.meta.update(mean=[float(m) for m in mean], std=[float(s) for s in std])
+        self.meta["augment"] = [a.model_dump() for a in spec.augment if a.kind != "normalize"]
+
+    def save(self, folder: Path) -> None:
+        """The cache entry, written into a temporary folder then renamed (a concurrent build of the same key wins
+        or loses whole)."""
+        from fedpilot.data.summary import summarize
+
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        np.save(tmp / "x.npy", np.ascontiguousarray(self.x))
+        if self.y is not None:
+            np.save(tmp / "y.npy", np.ascontiguousarray(self.y))
+        np.savez(tmp / "index.npz", **{f"offsets_{s}": self.offsets[s] for s in SPLITS},
+                 **{f"sizes_{s}": self.sizes[s] for s in SPLITS})
+        meta = {"task": self.spec.task, "num_classes": int(self.num_classes),
+                "feature_shape": list(self.feature_shape), "client_names": self.names, "fingerprint": self.key,
+                **self.meta}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if self.tokenizer is not None:
+            self.tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "summary.json").write_text(json.dumps(summarize(load(tmp))))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def task_targets(raw: RawData, spec: DatasetSpec) -> tuple[np.ndarray | None, int]:
+    """(targets, model outputs) of the task: class ids 0..K-1, float regression targets, or none for next_token
+    (its targets are the text itself). A float label column under classification is an error, not 430 classes."""
+    task, label = spec.task, getattr(spec.source, "label", None)
+    if task == "next_token":
+        if not raw.is_text:
+            raise SpecError("dataset.task", task, f"learns from text, but the inputs are {_kind(raw)}")
+        return None, 0
+    if raw.y is None:
+        raise SpecError("dataset.source.label", label, f"task {task} needs a target column")
+    values = np.asarray(raw.y)
+    numeric = np.issubdtype(values.dtype, np.number) or values.dtype == bool
+    if task == "regression":
+        if not numeric:
+            raise SpecError("dataset.source.label", label, f"task regression needs numbers; this column holds "
+                            f"{values.dtype} values")
+        return values.astype(np.float32), 1 if values.ndim == 1 else int(np.prod(values.shape[1:]))
+    if raw.class_names is not None:
+        return values.astype(np.int64), raw.class_names
+    if values.ndim > 1:
+        raise SpecError("dataset.source.label", label, f"holds arrays of shape {values.shape[1:]}, not class labels "
+                        "(for several float targets set dataset.task: regression)")
+    if numeric and np.issubdtype(values.dtype, np.floating) and not np.all(np.mod(values, 1) == 0):
+        raise SpecError("dataset.task", task, f"the target column holds {len(np.unique(values))} distinct "
+                        "non-integer numbers, not class labels: set dataset.task: regression",
+                        allowed=["regression"])
+    names, ids = np.unique(values, return_inverse=True)
+    return ids.astype(np.int64), len(names)
+
+
+def _kind(raw: RawData) -> str:
+    """What a source's inputs are, in words."""
+    if raw.is_text:
+        return "text"
+    return f"images {raw.feature_shape}" if raw.is_image else f"features of shape {raw.feature_shape}"
+
+
+def _feature_name(spec: DatasetSpec) -> str:
+    return getattr(spec.source, "feature", "text")

@@ -1,4 +1,4 @@
-"""Where samples come from: synthetic, scikit-learn digits, any Hugging Face dataset."""
+"""Where samples come from: synthetic, scikit-learn's bundled sets, LEAF's Shakespeare, any Hugging Face dataset."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedpilot.data.config import DigitsSource, HFSource, SyntheticSource
+from fedpilot.data.config import DigitsSource, HFSource, ShakespeareSource, SklearnSource, SyntheticSource
 from fedpilot.errors import SpecError
 
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
@@ -19,24 +19,48 @@ GLOB_CHARS = "*?["
 
 @dataclass
 class RawData:
-    """All samples of a source before partitioning; `groups` is the natural client of each sample, if any."""
+    """All samples of a source before partitioning.
+
+    x: features (float32), image pixels (uint8 [N, C, H, W], in [0, 1] after `scale`), or text (an object array of
+    str); y: the raw target column (None without one); groups: the natural client of each sample, if any;
+    feature_shape: the shape of one sample's features (None for text, whose shape the tokenizer decides)."""
 
     x: np.ndarray
-    y: np.ndarray
+    y: np.ndarray | None
     groups: np.ndarray | None
-    num_classes: int
-    feature_shape: tuple[int, ...]
+    feature_shape: tuple[int, ...] | None
+    scale: float = 1.0
+    class_names: int | None = None  # the number of classes a ClassLabel column declares
+
+    @property
+    def is_text(self) -> bool:
+        return self.x.dtype == object
+
+    @property
+    def is_image(self) -> bool:
+        return self.feature_shape is not None and len(self.feature_shape) == 3
 
 
-def load_source(source: SyntheticSource | DigitsSource | HFSource, seed: int, column: str | None = None) -> RawData:
-    """The samples of `source`; `column` (dataset.partition.column) overrides its natural client column."""
+Source = SyntheticSource | DigitsSource | SklearnSource | ShakespeareSource | HFSource
+
+
+def load_source(source: Source, seed: int, column: str | None = None, downloads: Path | None = None) -> RawData:
+    """The samples of `source`; `column` (dataset.partition.column) overrides its natural client column;
+    `downloads` is where a source fetches what it needs once (the Shakespeare archive)."""
     if isinstance(source, HFSource):
         return hugging_face(source, column)
-    if column is not None and not (isinstance(source, SyntheticSource) and column == "client"):
-        allowed = ["client"] if isinstance(source, SyntheticSource) else []
-        raise SpecError("dataset.partition.column", column, f"no such column in a {source.kind} source", allowed)
+    natural = {"synthetic": "client", "shakespeare": "role"}.get(source.kind)
+    if column is not None and column != natural:
+        raise SpecError("dataset.partition.column", column, f"no such column in a {source.kind} source",
+                        [natural] if natural else [])
     if isinstance(source, SyntheticSource):
         return synthetic(source, seed if source.seed is None else source.seed)
+    if isinstance(source, ShakespeareSource):
+        from fedpilot.data.shakespeare import load_shakespeare
+
+        return load_shakespeare(source, downloads)
+    if isinstance(source, SklearnSource):
+        return bundled(source.name)
     return digits()
 
 
@@ -54,7 +78,7 @@ def synthetic(spec: SyntheticSource, seed: int) -> RawData:
         ys.append(np.argmax(x @ w + bias, axis=1))
     groups = np.repeat(np.arange(spec.n_clients), sizes)
     return RawData(np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.int64), groups,
-                   spec.classes, (spec.dim,))
+                   (spec.dim,), class_names=spec.classes)
 
 
 def digits() -> RawData:
@@ -63,7 +87,15 @@ def digits() -> RawData:
 
     bunch = load_digits()
     x = (bunch.images / 16.0).astype(np.float32)[:, None]
-    return RawData(x, bunch.target.astype(np.int64), None, 10, (1, 8, 8))
+    return RawData(x, bunch.target.astype(np.int64), None, (1, 8, 8), class_names=10)
+
+
+def bundled(name: str) -> RawData:
+    """A tabular dataset scikit-learn ships (no download): float32 features and its target column."""
+    from sklearn import datasets as sk
+
+    bunch = getattr(sk, f"load_{name}")()
+    return RawData(bunch.data.astype(np.float32), bunch.target, None, (bunch.data.shape[1],))
 
 
 def hugging_face(spec: HFSource, column: str | None = None) -> RawData:
@@ -77,10 +109,11 @@ def hugging_face(spec: HFSource, column: str | None = None) -> RawData:
             raise SpecError(key, name, "no such column", allowed=table.column_names)
     if spec.max_samples:
         table = table.select(range(min(spec.max_samples, len(table))))
-    x = _features(table, spec.feature)
-    labels, num_classes = _labels(table, spec.label)
+    x, scale = _features(table, spec.feature)
+    y = np.asarray(table[spec.label]) if spec.label else None
     groups = np.asarray(table[column]) if column else None
-    return RawData(x, labels, groups, num_classes, tuple(x.shape[1:]))
+    shape = None if x.dtype == object else tuple(x.shape[1:])
+    return RawData(x, y, groups, shape, scale, _declared_classes(table, spec.label))
 
 
 def _load_table(spec: HFSource):
@@ -139,29 +172,40 @@ def _load_error(spec: HFSource, err: Exception) -> SpecError:
     return SpecError("dataset.source.path", spec.path, f"cannot load: {message}")
 
 
-def _check_feature(table, column: str) -> None:
-    """The feature column holds images or numbers (text would need tokenization)."""
-    feature = table.features[column]
-    while hasattr(feature, "feature"):  # List, LargeList, Sequence of ...
-        feature = feature.feature
-    if getattr(feature, "dtype", None) in {"string", "large_string"}:
-        raise SpecError("dataset.source.feature", column, "holds text: text columns need tokenization, which is not "
-                        "supported yet (give a column of images or numbers)")
+def _is_text(table, column: str) -> bool:
+    """Whether a column holds strings."""
+    return getattr(table.features[column], "dtype", None) in {"string", "large_string"}
 
 
-def _features(table, column: str) -> np.ndarray:
-    """A column of images or numeric arrays as float32 [N, ...]; images become [C, H, W] in [0, 1]."""
+def _features(table, column: str) -> tuple[np.ndarray, float]:
+    """A column as (values, scale): text as an object array of str; images as uint8 [N, C, H, W] with scale
+    1/255 (filled one image at a time, never a float copy of the set); numeric arrays as float32."""
     import datasets
 
-    _check_feature(table, column)
+    if _is_text(table, column):
+        return np.asarray(table[column], dtype=object), 1.0
     try:
         if isinstance(table.features[column], datasets.Image):
-            images = np.stack([np.asarray(_plain_mode(img), dtype=np.float32) / 255.0 for img in table[column]])
-            return images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2)
-        return np.asarray(table.with_format("numpy")[column], dtype=np.float32)
+            return _images(table[column]), 1 / 255
+        values = np.asarray(table.with_format("numpy")[column])
+        if values.dtype == object or not np.issubdtype(values.dtype, np.number):
+            raise ValueError(f"values of type {values.dtype} are not numbers")
+        return values.astype(np.float32), 1.0
     except (ValueError, TypeError) as err:  # ragged arrays, nested records, images of different sizes
-        raise SpecError("dataset.source.feature", column, f"cannot be made one float array: "
+        raise SpecError("dataset.source.feature", column, f"cannot be made one array of numbers: "
                         f"{str(err).strip().splitlines()[0]}") from None
+
+
+def _images(column) -> np.ndarray:
+    """PIL images of one size as uint8 [N, C, H, W]."""
+    first = np.asarray(_plain_mode(column[0]))
+    out = np.empty((len(column), *(first.shape[2:] or (1,)), *first.shape[:2]), dtype=np.uint8)
+    for i, image in enumerate(column):
+        pixels = np.asarray(_plain_mode(image))
+        if pixels.shape != first.shape:
+            raise ValueError(f"image {i} has shape {pixels.shape}, image 0 {first.shape}")
+        out[i] = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return out
 
 
 def _plain_mode(image):
@@ -169,13 +213,9 @@ def _plain_mode(image):
     return image if image.mode in {"L", "RGB"} else image.convert("RGB")
 
 
-def _labels(table, column: str) -> tuple[np.ndarray, int]:
-    """Labels as 0..K-1: ClassLabel ids as they are, other values mapped in sorted order."""
+def _declared_classes(table, column: str | None) -> int | None:
+    """The number of classes a ClassLabel column declares."""
     import datasets
 
-    feature = table.features[column]
-    values = np.asarray(table[column])
-    if isinstance(feature, datasets.ClassLabel):
-        return values.astype(np.int64), feature.num_classes
-    names, ids = np.unique(values, return_inverse=True)
-    return ids.astype(np.int64), len(names)
+    feature = table.features[column] if column else None
+    return feature.num_classes if isinstance(feature, datasets.ClassLabel) else None

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from fedpilot.engine.data import AugmentParams
 
 
 def round_generator(*key: int) -> torch.Generator:
@@ -20,17 +24,20 @@ def round_generator(*key: int) -> torch.Generator:
 
 @dataclass
 class BatchPlan:
-    """Sample indices [K, S, B] into the client-major tensors, 0/1 sample weights and active steps [K, S]."""
+    """Sample indices [K, S, B] into the client-major tensors, 0/1 sample weights and active steps [K, S], and the
+    random augmentations drawn for each planned sample (if the data has any)."""
 
     index: torch.Tensor
     weight: torch.Tensor
     active: torch.Tensor
+    augment: AugmentParams | None = None
 
     def rows(self, rows: slice) -> BatchPlan:
-        return BatchPlan(self.index[rows], self.weight[rows], self.active[rows])
+        augment = self.augment.rows(rows) if self.augment is not None else None
+        return BatchPlan(self.index[rows], self.weight[rows], self.active[rows], augment)
 
     def to(self, device: torch.device) -> BatchPlan:
-        return BatchPlan(self.index.to(device), self.weight.to(device), self.active.to(device))
+        return BatchPlan(self.index.to(device), self.weight.to(device), self.active.to(device), self.augment)
 
 
 def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generator) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
 from fedpilot.engine.config import LocalConfig
+from fedpilot.engine.data import ClientData
 from fedpilot.engine.local import (
     Batches,
     LoopExecutor,
@@ -45,10 +46,7 @@ class RoundWork:
     model: nn.Module
     forward: Forward
     task: Task
-    x: torch.Tensor
-    y: torch.Tensor
-    offsets: torch.Tensor
-    sizes: torch.Tensor
+    data: ClientData
     local: LocalConfig
     lr_factor: float
     seed_key: tuple[int, int, int]
@@ -58,18 +56,39 @@ class RoundWork:
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
 
+    @property
+    def x(self) -> torch.Tensor:
+        return self.data.x
+
+    @property
+    def y(self) -> torch.Tensor:
+        return self.data.y
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Where each client's training samples start."""
+        return self.data.offsets["train"]
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """Each client's number of training samples."""
+        return self.data.sizes["train"]
+
     def plan(self, cohort_clients: torch.Tensor, phase: int, epochs: float | None, steps) -> BatchPlan:
-        """The batch plan of the whole cohort for one local phase (made once, then sliced per chunk)."""
+        """The batch plan of the whole cohort for one local phase, with its samples' augmentations (made once, then
+        sliced per chunk)."""
         key = (phase, epochs, steps if not torch.is_tensor(steps) else tuple(steps.tolist()))
         if key not in self.plans:
             gen = round_generator(*self.seed_key, phase + 1)
             offsets, sizes = self.offsets[cohort_clients].cpu(), self.sizes[cohort_clients].cpu()
             batch = self.local.batch_size
             if steps is not None:
-                self.plans[key] = step_plan(offsets, sizes, steps, batch, gen)
+                plan = step_plan(offsets, sizes, steps, batch, gen)
             else:
-                self.plans[key] = epoch_plan(offsets, sizes, epochs, batch, gen)
-            self.plans[key] = self.plans[key].to(self.x.device)
+                plan = epoch_plan(offsets, sizes, epochs, batch, gen)
+            if self.data.augment is not None:
+                plan.augment = self.data.augment.draw(tuple(plan.index.shape), gen)
+            self.plans[key] = plan.to(self.x.device)
         return self.plans[key]
 
     def head_only(self, names: list[str]) -> bool:
@@ -163,7 +182,8 @@ class Cohort:
         repeats its last one)."""
         take = torch.arange(count, device=self.work.x.device)
         sizes, starts = self.work.sizes[self.clients], self.work.offsets[self.clients]
-        return self.work.x[starts[:, None] + torch.minimum(take[None], (sizes[:, None] - 1).clamp_min(0))]
+        rows = starts[:, None] + torch.minimum(take[None], (sizes[:, None] - 1).clamp_min(0))
+        return self.work.data.inputs(self.work.x[rows])
 
     def gradient(self, part: Part = "shared", *, steps: int | None = 1, epochs: float | None = None,
                  shared: Params | None = None) -> Params:
@@ -183,7 +203,7 @@ class Cohort:
 
     def _batches(self, plan: BatchPlan) -> Batches:
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
-                       plan.active)
+                       plan.active, self.work.data.inputs, plan.augment)
 
     def sgd(self, train: Part, lr: float | dict[str, float] | None = None, *, epochs: float | None = None,
             steps: int | torch.Tensor | None = None, shared: Params | None = None, prox: float = 0.0,
@@ -252,9 +272,9 @@ class Cohort:
         if chosen.uses_features and head_only:  # the shared body once, then the heads' steps on its features
             executor, split = chosen(plain_forward, work.task), work.split
             with torch.no_grad():
-                flat = plan.index.flatten()
-                feats = functional_call(work.model.body, split.in_body(fixed), (work.x[flat],))
-            index = torch.arange(len(flat), device=feats.device).view(plan.index.shape)
+                inputs = self._batches(plan).inputs(slice(None), slice(None))
+                feats = functional_call(work.model.body, split.in_body(fixed), (inputs.flatten(0, 2),))
+            index = torch.arange(len(feats), device=feats.device).view(plan.index.shape)
             batches = Batches(feats, index, labels, weight, plan.active)
             trained = executor.train(work.model.head, split.in_head(trainable), {}, split.in_head(fixed), batches,
                                      rule.renamed(split.head), self.stats)

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from fedpilot.engine.data import ClientData
 from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
-from fedpilot.engine.task import Task
+from fedpilot.engine.task import Scores, Task
 from fedpilot.models.split import ParamSplit
 
 
@@ -22,25 +23,26 @@ def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task: Task, shared: Params,
-                     personal_of: Callable[[torch.Tensor], Params], x: torch.Tensor, y: torch.Tensor,
-                     offsets: torch.Tensor, sizes: torch.Tensor, execution: str, max_samples: int = 16384,
-                     precision: str = "32-true") -> dict[str, torch.Tensor]:
-    """Each of the task's metrics per client [n_clients] on one split; NaN for a client with no samples there.
+                     personal_of: Callable[[torch.Tensor], Params], data: ClientData, part: str, execution: str,
+                     max_samples: int = 16384, precision: str = "32-true") -> dict[str, torch.Tensor]:
+    """Each of the task's metrics per client [n_clients] on the data's split `part`; NaN for a client with no
+    samples there.
 
     When only the head is personal, the shared body runs once over all samples of the split and the
     personal heads run batched on its features. Forward passes run in the stage's `precision`.
     """
+    x, sizes = data.x, data.sizes[part]
     with precision_context(precision, x.device):
-        index = client_major_index(offsets, sizes)
+        index = client_major_index(data.offsets[part], sizes)
         if split.head_only(split.personal_names):
             body = split.in_body(shared)
-            source = torch.cat([functional_call(model.body, body, (x[index[i : i + max_samples]],))
+            source = torch.cat([functional_call(model.body, body, (data.inputs(x[index[i : i + max_samples]]),))
                                 for i in range(0, len(index), max_samples)]) if len(index) else x[:0]
             module, fixed, forward = model.head, split.in_head(shared), _plain
             personal_of = (lambda of: lambda clients: split.in_head(of(clients)))(personal_of)
         else:
-            source, module, fixed = x[index], model, shared
-        return _per_client(module, forward, task, fixed, personal_of, source, y[index], sizes, execution,
+            source, module, fixed = data.inputs(x[index]), model, shared
+        return _per_client(module, forward, task, fixed, personal_of, source, data.y[index], sizes, execution,
                            max_samples)
 
 
@@ -55,11 +57,10 @@ def _per_client(module: nn.Module, forward: Forward, task: Task, fixed: Params,
     starts = torch.cumsum(sizes, 0) - sizes
     results = {m: torch.full((len(sizes),), float("nan"), device=source.device) for m in task.metrics}
     for clients in _chunks(sizes, max_samples):
-        values, units = _scores(module, forward, task, personal_of(clients), fixed, source, labels,
-                                starts[clients], sizes[clients], execution)
-        count = units.sum(1)
-        for metric, value in values.items():
-            results[metric][clients] = value.sum(1) / count
+        scores = _scores(module, forward, task, personal_of(clients), fixed, source, labels, starts[clients],
+                         sizes[clients], execution)
+        for metric, (total, units) in scores.items():
+            results[metric][clients] = total.sum(1) / units.sum(1)
     return results
 
 
@@ -79,9 +80,8 @@ def _chunks(sizes: torch.Tensor, max_samples: int) -> list[torch.Tensor]:
 
 
 def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, fixed: Params, source: torch.Tensor,
-            labels: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
-            execution: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The task's per-sample metric sums [K, n_max] of K clients, and their units (0 on padding)."""
+            labels: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor, execution: str) -> Scores:
+    """The task's per-sample metric sums and units [K, n_max] of K clients (0 on padding)."""
     width = max(int(sizes.max()), 1)
     pos = torch.arange(width, device=source.device)
     mask = pos[None] < sizes[:, None]
@@ -91,8 +91,10 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
     def apply(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
         return forward(net, {**fixed, **params}, inputs)  # a personal copy wins over the global
 
-    if choose_execution(execution, module, source.device) == "vmap" or not personal:
-        outputs = vmap(apply, in_dims=(0 if personal else None, 0))(personal, xb)
+    if not personal:  # one model for every client: one batch
+        outputs = apply({}, xb.flatten(0, 1)).unflatten(0, xb.shape[:2])
+    elif choose_execution(execution, module, source.device) == "vmap":
+        outputs = vmap(apply)(personal, xb)
     else:
         per_client: list[torch.Tensor | None] = [None] * len(sizes)
 
@@ -101,6 +103,6 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
 
         for_each_client(module, client, len(sizes), source.device)
         outputs = torch.stack(per_client)
-    values, units = task.scores(outputs.flatten(0, 1), yb.flatten(0, 1))
     shape = yb.shape[:2]
-    return {m: v.view(shape) * mask for m, v in values.items()}, units.view(shape) * mask
+    return {m: (total.view(shape) * mask, units.view(shape) * mask)
+            for m, (total, units) in task.scores(outputs.flatten(0, 1), yb.flatten(0, 1)).items()}

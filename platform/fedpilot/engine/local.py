@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from torch.func import grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
+
+if TYPE_CHECKING:
+    from fedpilot.engine.data import AugmentParams
 
 Params = dict[str, torch.Tensor]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
@@ -71,33 +75,46 @@ def _per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(-1, *[1] * (like.dim() - 1))
 
 
+def _as_is(rows: torch.Tensor) -> torch.Tensor:
+    return rows
+
+
 @dataclass
 class Batches:
-    """Inputs are `source[index[:, s]]`; labels and 0/1 weights are already laid out [K, S, B]."""
+    """Steps' inputs are `prepare(source[index[rows, s]])`, augmented by the plan's `augment` parameters; labels and
+    0/1 weights are already laid out [K, S, B]."""
 
     source: torch.Tensor
     index: torch.Tensor
     labels: torch.Tensor
     weight: torch.Tensor
     active: torch.Tensor
+    prepare: Callable[[torch.Tensor], torch.Tensor] = _as_is
+    augment: AugmentParams | None = None
+
+    def inputs(self, rows: Any, steps: Any) -> torch.Tensor:
+        """Model inputs of the planned samples [rows, steps] (each an int or a slice)."""
+        x = self.prepare(self.source[self.index[rows, steps]])
+        return x if self.augment is None else self.augment.apply(x, rows, steps)
 
 
 @dataclass
 class TrainStats:
-    """Per-client sums over the active local steps: loss, batch accuracy, and the number of steps."""
+    """Per-client sums over the active local steps: loss, the task's train metric on the batch, and the number of
+    steps."""
 
     loss: torch.Tensor
-    acc: torch.Tensor
+    metric: torch.Tensor
     steps: torch.Tensor
 
     @classmethod
     def zeros(cls, k: int, device: torch.device) -> TrainStats:
         return cls(*(torch.zeros(k, device=device) for _ in range(3)))
 
-    def add(self, loss: torch.Tensor, acc: torch.Tensor, active: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, metric: torch.Tensor, active: torch.Tensor) -> None:
         on = active.to(loss.dtype)
         self.loss += loss.detach() * on
-        self.acc += acc.detach() * on
+        self.metric += metric.detach() * on
         self.steps += on
 
 
@@ -199,7 +216,7 @@ class VmapExecutor(Executor):
             active = batches.active[:, s]
             if not bool(active.any()):
                 continue
-            x = batches.source[batches.index[:, s]]
+            x = batches.inputs(slice(None), s)
             grads, (loss, acc) = step_grad(trainable, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s])
             rule.apply_(trainable, grads, active)
             stats.add(loss, acc, active)
@@ -216,7 +233,7 @@ class VmapExecutor(Executor):
             active = batches.active[:, s]
             if not bool(active.any()):
                 continue
-            x = batches.source[batches.index[:, s]]
+            x = batches.inputs(slice(None), s)
             grads, (loss, acc) = step_grad(params, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s])
             for n, g in grads.items():
                 total[n] += g * _per_client(active.to(g.dtype), g)
@@ -254,12 +271,12 @@ class LoopExecutor(Executor):
             my_frozen = {n: p[k] for n, p in frozen.items()}
             my_rule = rule.for_client(k, trainable)
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
-                x = batches.source[batches.index[k, s]]
+                x = batches.inputs(k, s)
                 g, (loss, acc) = step_grad({n: _own_version(p[0]) for n, p in mine.items()}, my_frozen, fixed, x,
                                            batches.labels[k, s], batches.weight[k, s])
                 my_rule.apply_(mine, {n: v.unsqueeze(0) for n, v in g.items()}, batches.active[k, s : s + 1])
                 stats.loss[k] += loss
-                stats.acc[k] += acc.detach()
+                stats.metric[k] += acc.detach()
                 stats.steps[k] += 1
 
         for_each_client(module, client, batches.index.shape[0], device)
@@ -277,13 +294,13 @@ class LoopExecutor(Executor):
             step_grad = eager_client_grad(module, device, self.forward, self.task)
             mine, my_frozen = {n: p[k] for n, p in params.items()}, {n: p[k] for n, p in frozen.items()}
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
-                g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.source[batches.index[k, s]],
-                                           batches.labels[k, s], batches.weight[k, s])
+                g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.inputs(k, s), batches.labels[k, s],
+                                           batches.weight[k, s])
                 for n, v in g.items():
                     total[n][k] += v
                 count[k] += 1
                 stats.loss[k] += loss
-                stats.acc[k] += acc.detach()
+                stats.metric[k] += acc.detach()
                 stats.steps[k] += 1
 
         for_each_client(module, client, batches.index.shape[0], device)
@@ -293,10 +310,13 @@ class LoopExecutor(Executor):
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:
     """The executor for training or evaluating `module`: `requested` unless it is "auto".
 
-    auto: convolutions on CPU run per client (vmap turns conv2d into a grouped convolution, slower than the loop
-    on CPU), everything else is vmapped; a model's head alone (a Linear) is always vmapped (bench/README.md).
+    auto: recurrent layers run per client (torch.func cannot vmap the fused RNN kernels), convolutions on CPU too
+    (vmap turns conv2d into a grouped convolution, slower than the loop), everything else is vmapped; a model's head alone (a Linear) is always vmapped (bench/README.md).
     """
     if requested != "auto":
         return requested
-    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+    kinds = {type(m) for m in module.modules()}
+    if any(issubclass(k, nn.RNNBase) for k in kinds):  # torch.func has no batching rule for the fused RNN kernels
+        return "loop"
+    has_conv = any(issubclass(k, nn.modules.conv._ConvNd) for k in kinds)
     return "loop" if has_conv and device.type == "cpu" else "vmap"

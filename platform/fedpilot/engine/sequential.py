@@ -39,7 +39,7 @@ class SequentialExecutor(Executor):
                 if not bool(batches.active[k, s]):
                     continue
                 real = batches.weight[k, s] > 0
-                x = batches.source[batches.index[k, s][real]]
+                x = batches.inputs(k, s)[real]
                 y = batches.labels[k, s][real]
                 opt.zero_grad()
                 loss = self._loss(net, x, y)
@@ -69,7 +69,7 @@ class SequentialExecutor(Executor):
             steps = torch.nonzero(batches.active[k]).flatten().tolist()
             for s in steps:
                 real = batches.weight[k, s] > 0
-                self._loss(net, batches.source[batches.index[k, s][real]], batches.labels[k, s][real]).backward()
+                self._loss(net, batches.inputs(k, s)[real], batches.labels[k, s][real]).backward()
                 stats.steps[k] += 1
             results.append({n: p.grad / max(len(steps), 1) if p.grad is not None else torch.zeros_like(p)
                             for n, p in net.named_parameters() if n in params})

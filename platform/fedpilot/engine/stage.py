@@ -18,6 +18,7 @@ from fedpilot.engine.bank import ClientBank
 from fedpilot.engine.batches import round_generator
 from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
+from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.local import Params
 from fedpilot.engine.metrics import distribution
@@ -39,11 +40,11 @@ class FederatedStage(L.LightningModule):
 
     The model's parameters the `split` names personal live per client in a personal bank; the others are
     shared and stepped by a torch optimizer with the aggregated client update as pseudo-gradient.
-    `data` has client-major tensors x, y and per-split `offsets`/`sizes` (fedpilot.data.FederatedData); `task`
+    `data` has client-major tensors and per-split `offsets`/`sizes` (engine.data.ClientData); `task`
     scores the model's outputs (loss and per-client metrics).
     """
 
-    def __init__(self, model: nn.Module, split: ParamSplit, data: Any, algorithm: Algorithm,
+    def __init__(self, model: nn.Module, split: ParamSplit, data: ClientData, algorithm: Algorithm,
                  config: StageConfig, seed: int = 0, stage_index: int = 0, bank: Params | None = None,
                  task: Task = CLASSIFICATION):
         super().__init__()
@@ -136,8 +137,7 @@ class FederatedStage(L.LightningModule):
 
     def round_work(self, round_idx: int) -> RoundWork:
         data, local = self.data, self.config.local
-        return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, x=data.x, y=data.y,
-                         offsets=data.offsets["train"], sizes=data.sizes["train"], local=local,
+        return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, data=data, local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
                          seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
                          split=self.split, server_state=self.server_state, precision=self.config.precision)
@@ -157,7 +157,7 @@ class FederatedStage(L.LightningModule):
         aggregate = self.algorithm.aggregator()
         chunk = chunk or self.config.max_parallel_clients
         mine = process_rows(len(clients))
-        loss = acc = steps = 0.0
+        loss = metric = steps = 0.0
         for lo in range(mine.start, mine.stop, chunk):
             rows = slice(lo, min(lo + chunk, mine.stop))
             ids = clients[rows]
@@ -172,14 +172,14 @@ class FederatedStage(L.LightningModule):
                 aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight),
                               info)
             loss += float(cohort.stats.loss.sum())
-            acc += float(cohort.stats.acc.sum())
+            metric += float(cohort.stats.metric.sum())
             steps += float(cohort.stats.steps.sum())
         if distributed():
-            loss, acc, steps = self.share_round(clients, mine, aggregate, info, stateful, [loss, acc, steps])
+            loss, metric, steps = self.share_round(clients, mine, aggregate, info, stateful, [loss, metric, steps])
         pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
         self.server_step(pseudo_grad)
         up = aggregate.upload_bytes
-        return {"train_loss": loss / max(steps, 1.0), "train_acc": acc / max(steps, 1.0),
+        return {"train_loss": loss / max(steps, 1.0), f"train_{self.task.train_metric}": metric / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
 
@@ -213,8 +213,8 @@ class FederatedStage(L.LightningModule):
         results = {}
         for split in splits:
             scores = evaluate_clients(self.model, self.split, self.algorithm.forward, self.task, self.shared_params(),
-                                      self.personal_of, self.data.x, self.data.y, self.data.offsets[split],
-                                      self.data.sizes[split], self.execution, precision=self.config.precision)
+                                      self.personal_of, self.data, split, self.execution,
+                                      precision=self.config.precision)
             results[split] = {m: v.cpu() for m, v in scores.items()}
             weights = self.data.sizes[split].cpu().double()
             summary = {}
@@ -223,8 +223,9 @@ class FederatedStage(L.LightningModule):
                 shown = stats if metric in self.task.distributions else {"weighted": stats.get("weighted")}
                 summary.update({f"{split}_{metric}_{k}": v for k, v in shown.items() if v is not None})
             self.round_log.update(summary)
-            if split == "val":
-                self.log("val_acc_mean", summary["val_acc_mean"], on_step=True, prog_bar=True)
+            shown = f"val_{self.task.primary}_mean"
+            if split == "val" and shown in summary:
+                self.log(shown, summary[shown], on_step=True, prog_bar=True)
             self.history.append({"round": round_idx, "split": split, **summary})
         self.client_metrics.update(results)
         return results

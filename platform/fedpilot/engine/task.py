@@ -9,30 +9,42 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over a sample's units, number of units)
+
 
 class Task(ABC):
     """What a model's outputs are scored by.
 
-    metrics: per-client metrics of an evaluation, recorded as `{split}_{metric}_weighted`; those in
-    `distributions` also get the whole per-client distribution `{split}_{metric}_{mean,std,min,p10,...}`.
-    train_metric: the metric training steps report as `train_{train_metric}` next to `train_loss`.
+    metrics: per-client metrics of an evaluation (a client's value is the sum over its samples' units divided by
+    their number), recorded as `{split}_{metric}_weighted`; those in `distributions` also get the whole
+    per-client distribution `{split}_{metric}_{mean,std,min,p10,...}`; the first of them is the task's primary
+    metric (stage tables, plots, better/worse than the previous stage), better when higher if `higher_is_better`.
+    loss: the metric training minimizes; train_metric: what training steps report as `train_{train_metric}`.
     """
 
     name: ClassVar[str]
     metrics: ClassVar[tuple[str, ...]]
     distributions: ClassVar[tuple[str, ...]]
+    loss_metric: ClassVar[str] = "loss"
     train_metric: ClassVar[str]
+    higher_is_better: ClassVar[bool] = True
+
+    @property
+    def primary(self) -> str:
+        return self.distributions[0]
 
     @abstractmethod
-    def scores(self, output: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Per sample (y's first dimensions): the sum of each metric over the sample's units, and the number of
-        units (1 for a label; real tokens of a sequence)."""
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
+        """Per sample (y's first dimension): each metric summed over the sample's units, and the units it counts."""
 
     def loss(self, output: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(training loss, train_metric) of a batch: means over the units of the samples with weight 1."""
-        values, units = self.scores(output, y)
-        total = (units * w).sum().clamp_min(1.0)
-        return (values["loss"] * w).sum() / total, (values[self.train_metric].detach() * w).sum() / total
+        scores = self.scores(output, y)
+        return _mean(*scores[self.loss_metric], w), _mean(*scores[self.train_metric], w).detach()
+
+
+def _mean(total: torch.Tensor, units: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (total * w).sum() / (units * w).sum().clamp_min(1.0)
 
 
 class Classification(Task):
@@ -44,12 +56,58 @@ class Classification(Task):
     distributions = ("acc",)
     train_metric = "acc"
 
-    def scores(self, output: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
         loss = F.cross_entropy(output.flatten(0, -2).float(), y.flatten(), reduction="none").view(y.shape)
         hits = (output.argmax(-1) == y).to(loss.dtype)
         if y.dim() > 1:
             loss, hits = loss.flatten(1).mean(1), hits.flatten(1).mean(1)
-        return {"loss": loss, "acc": hits}, torch.ones_like(loss)
+        one = torch.ones_like(loss)
+        return {"loss": (loss, one), "acc": (hits, one)}
+
+
+class NextToken(Task):
+    """Next-token prediction over windows [B, T]: the loss over every non-padding target, the accuracy over real
+    tokens only (not padding, out-of-vocabulary, begin or end markers: paper 000 and TFF's Stack Overflow task),
+    both per token (a client's accuracy is its hits over all its real tokens)."""
+
+    name = "next_token"
+    metrics = ("acc", "loss")
+    distributions = ("acc", "loss")
+    train_metric = "acc"
+
+    def __init__(self, pad: int, unk: int, bos: int, eos: int):
+        self.pad, self.not_scored = pad, (pad, unk, bos, eos)
+
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
+        loss = F.cross_entropy(output.flatten(0, -2).float(), y.flatten(), reduction="none").view(y.shape)
+        counted = (y != self.pad).to(loss.dtype)
+        real = torch.stack([y != token for token in self.not_scored]).all(0).to(loss.dtype)
+        hits = (output.argmax(-1) == y).to(loss.dtype) * real
+        return {"loss": ((loss * counted).sum(1), counted.sum(1)), "acc": (hits.sum(1), real.sum(1))}
+
+
+class Regression(Task):
+    """Float targets [B] or [B, d]: mean squared error (the loss) and mean absolute error, per sample averaged
+    over its d targets."""
+
+    name = "regression"
+    metrics = ("mse", "mae")
+    distributions = ("mse", "mae")
+    loss_metric = "mse"
+    train_metric = "mae"
+    higher_is_better = False
+
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
+        error = output.float().reshape(y.shape[0], -1) - y.float().reshape(y.shape[0], -1)
+        one = torch.ones(y.shape[0], dtype=error.dtype, device=error.device)
+        return {"mse": (error.pow(2).mean(1), one), "mae": (error.abs().mean(1), one)}
 
 
 CLASSIFICATION = Classification()
+
+
+def make_task(name: str, specials: dict[str, int] | None = None) -> Task:
+    """The task `name` (next_token needs the token ids of pad, unk, bos, eos)."""
+    if name == "next_token":
+        return NextToken(**specials)
+    return {"classification": CLASSIFICATION, "regression": Regression()}[name]

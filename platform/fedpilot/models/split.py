@@ -110,6 +110,8 @@ def _preset(model: nn.Module, preset: str, adapter_dim: int) -> set[str]:
         return set()
     if preset == "all":
         return set(names)
+    if preset in getattr(model, "presets", {}):  # what the model says the preset means for it
+        return {n for n in names if any(re.fullmatch(pattern, n) for pattern in model.presets[preset])}
     if preset == "output_layer":
         return {n for n in names if n.startswith("head.")}
     if preset == "input_layer":

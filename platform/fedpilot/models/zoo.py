@@ -19,11 +19,15 @@ from fedpilot.errors import SpecError
 
 class Net(nn.Module):
     """body -> head. An algorithm may add modules of its own (pFedGate's `gate`) and apply the model its own way
-    (Algorithm.forward); the model's forward stays head(body(x))."""
+    (Algorithm.forward); the model's forward stays head(body(x)).
 
-    def __init__(self, body: nn.Module, head: nn.Linear):
+    `presets` maps a personalization preset (`input_layer`, `output_layer`) to the parameters it means for this
+    model when that is not the first parametrised module / the head (name regexes)."""
+
+    def __init__(self, body: nn.Module, head: nn.Linear, presets: dict[str, list[str]] | None = None):
         super().__init__()
         self.body, self.head = body, head
+        self.presets = presets or {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
@@ -103,11 +107,12 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm causal self-attention and MLP; the adapter slots take Houlsby adapters (ParamSplit)."""
+    """Pre-LayerNorm self-attention (causal unless said) and MLP; the adapter slots take Houlsby adapters
+    (ParamSplit)."""
 
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, causal: bool = True):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.causal = n_heads, causal
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
@@ -117,7 +122,7 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,20 +132,93 @@ class Block(nn.Module):
 
 def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
                 context: int | None = None, d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
-    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab].
+    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab] (paper 000's
+    Stack Overflow model: 4 layers, d_model 192, configs/model/transformer-so.yaml).
 
-    `vocab_size` defaults to `num_classes` and `context` (the longest sequence) to the input length.
+    `vocab_size` defaults to the data's vocabulary (else `num_classes`), `context` (the longest sequence) to the
+    input length. Presets: `input_layer` is the first transformer block and `output_layer` the last (paper 000's
+    choice for a 10,000-word vocabulary, whose embedding and output layers are large), `adapters` Houlsby adapters.
     """
     length = _check_rank("transformer", input_shape, 1, "token sequences (length,)")[0]
-    if n_heads < 1 or d_model % n_heads:
-        raise SpecError("model.n_heads", n_heads, f"must be a positive divisor of d_model={d_model}")
+    _check_heads(d_model, n_heads)
     vocab = vocab_size or num_classes
     blocks = [Block(d_model, n_heads) for _ in range(n_layers)]
     body = nn.Sequential(Embed(vocab, context or length, d_model), *blocks, nn.LayerNorm(d_model))
-    return Net(body, nn.Linear(d_model, vocab))
+    return Net(body, nn.Linear(d_model, vocab), presets=_block_presets(n_layers))
 
 
-MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "transformer": transformer}
+def _check_heads(d_model: int, n_heads: int) -> None:
+    if n_heads < 1 or d_model % n_heads:
+        raise SpecError("model.n_heads", n_heads, f"must be a positive divisor of d_model={d_model}")
+
+
+def _block_presets(n_layers: int) -> dict[str, list[str]]:
+    """input_layer / output_layer = the first / last transformer block of a body [Embed, Block x n, ...]."""
+    return {"input_layer": [r"body\.1\..*"], "output_layer": [rf"body\.{n_layers}\..*"]} if n_layers else {}
+
+
+class Recurrent(nn.Module):
+    """A stacked LSTM over embedded tokens: [B, T] -> [B, T, hidden]."""
+
+    def __init__(self, vocab: int, embed_dim: int, hidden: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed_dim)
+        self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lstm(self.embed(idx))[0]
+
+
+def char_lstm(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None, embed_dim: int = 8,
+              hidden: int = 256, layers: int = 2) -> Net:
+    """LEAF's Shakespeare model: an 8-dimensional character embedding, 2 LSTM layers of 256, next-character logits
+    at every position [B, T, vocab]."""
+    _check_rank("char_lstm", input_shape, 1, "token sequences (length,)")
+    vocab = vocab_size or num_classes
+    return Net(Recurrent(vocab, embed_dim, hidden, layers), nn.Linear(hidden, vocab))
+
+
+class PooledEncoder(nn.Module):
+    """Token ids [B, T] -> the mean of an encoder's outputs over the real (non-padding) positions [B, d]."""
+
+    def __init__(self, encoder: nn.Module, pad_id: int):
+        super().__init__()
+        self.encoder, self.pad_id = encoder, pad_id
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        real = (idx != self.pad_id).unsqueeze(-1).to(torch.float32)
+        return (self.encoder(idx) * real).sum(-2) / real.sum(-2).clamp_min(1.0)
+
+
+def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
+                    pad_id: int = 0, encoder: str = "transformer", d_model: int = 64, n_layers: int = 2,
+                    n_heads: int = 4) -> Net:
+    """A sequence classifier (Sent140-like tasks): a bidirectional transformer encoder (or an LSTM, `encoder:
+    lstm`) over the tokens, mean-pooled over the real tokens, then a linear head over the classes."""
+    length = _check_rank("text_classifier", input_shape, 1, "token sequences (length,)")[0]
+    if vocab_size is None:
+        raise SpecError("model.vocab_size", None, "text_classifier needs a vocabulary: tokenize a text column "
+                        "(dataset.text) or give model.vocab_size")
+    if encoder == "lstm":
+        return Net(PooledEncoder(Recurrent(vocab_size, d_model, d_model, n_layers), pad_id),
+                   nn.Linear(d_model, num_classes))
+    if encoder != "transformer":
+        raise SpecError("model.encoder", encoder, "unknown encoder", allowed=["transformer", "lstm"])
+    _check_heads(d_model, n_heads)
+    blocks = [Block(d_model, n_heads, causal=False) for _ in range(n_layers)]
+    trunk = nn.Sequential(Embed(vocab_size, length, d_model), *blocks, nn.LayerNorm(d_model))
+    presets = {k: [r.replace(r"body\.", r"body\.encoder\.") for r in v] for k, v in _block_presets(n_layers).items()}
+    return Net(PooledEncoder(trunk, pad_id), nn.Linear(d_model, num_classes), presets=presets)
+
+
+MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "transformer": transformer,
+          "char_lstm": char_lstm, "text_classifier": text_classifier}
+TOKEN_OPTIONS = ("vocab_size", "pad_id")  # what a model of token ids takes from the data when not set
+
+
+def takes_tokens(name: str) -> bool:
+    """Whether the model `name` reads token ids (it has a vocabulary)."""
+    return "vocab_size" in inspect.signature(MODELS[name]).parameters
 
 
 def check_model(name: str, options: dict[str, Any]) -> None:
@@ -153,10 +231,14 @@ def check_model(name: str, options: dict[str, Any]) -> None:
             raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
-    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs."""
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, tokens: dict[str, int] | None = None,
+                **options: Any) -> Net:
+    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs; `tokens` ({vocab_size,
+    pad_id}) fills a token model's options the pipeline does not set."""
     check_model(name, options)
-    return MODELS[name](tuple(input_shape), num_classes, **options)
+    accepted = inspect.signature(MODELS[name]).parameters
+    filled = {k: v for k, v in (tokens or {}).items() if k in accepted and options.get(k) is None}
+    return MODELS[name](tuple(input_shape), num_classes, **{**options, **filled})
 
 
 def _check_rank(name: str, input_shape: tuple[int, ...], rank: int, what: str) -> tuple[int, ...]:

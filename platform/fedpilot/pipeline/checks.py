@@ -11,10 +11,13 @@ import torch
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data import FederatedData, build_federated_data
+from fedpilot.engine.data import Augment, ClientData
 from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.stage import splits_across_processes
+from fedpilot.engine.task import Task, make_task
 from fedpilot.errors import SpecError
-from fedpilot.models import apply_split, build_model
+from fedpilot.models import MODELS, apply_split, build_model
+from fedpilot.models.zoo import takes_tokens
 from fedpilot.spec import PipelineSpec, StageSpec
 
 
@@ -45,12 +48,44 @@ def stage_split(spec: PipelineSpec, stage: StageSpec, algorithm_part: str | None
 
 @dataclass
 class Prepared:
-    """What every check of a pipeline builds: the federated data, the model, the stages' algorithms, the device."""
+    """What every check of a pipeline builds: the federated data (and its tensors for the engine), the task, the
+    model, the stages' algorithms, the device."""
 
     data: FederatedData
+    tensors: ClientData
+    task: Task
     model: torch.nn.Module
     algorithms: list[Algorithm]
     device: torch.device
+
+
+def client_data(data: FederatedData) -> ClientData:
+    """The engine's tensors of a built dataset, sharing its (memory-mapped) arrays: next-token windows become
+    inputs [:, :-1] and targets [:, 1:] (two views of one array), pixels stay uint8 until a batch needs them."""
+    x = torch.from_numpy(data.x)
+    inputs, targets = (x[:, :-1], x[:, 1:]) if data.y is None else (x, torch.from_numpy(data.y))
+    pixels = x.dtype == torch.uint8
+    augment = Augment(data.augment, data.feature_shape) if data.augment else None
+    return ClientData(inputs, targets, {s: torch.from_numpy(v) for s, v in data.offsets.items()},
+                      {s: torch.from_numpy(v) for s, v in data.sizes.items()}, scale=data.scale if pixels else None,
+                      mean=None if data.mean is None else torch.tensor(data.mean),
+                      std=None if data.std is None else torch.tensor(data.std), augment=augment)
+
+
+def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
+    """The pipeline's model for this data (seeded): its outputs and, for token inputs, its vocabulary."""
+    name, tokens = spec.model.name, data.specials is not None
+    if tokens != takes_tokens(name):
+        reads = [m for m in MODELS if takes_tokens(m) == tokens]
+        what = "token ids (a tokenized text column)" if tokens else f"inputs of shape {data.feature_shape}"
+        raise SpecError("model.name", name, f"does not read this dataset's {what}", allowed=reads)
+    vocab = {"vocab_size": data.vocab_size, "pad_id": data.specials["pad"]} if tokens else None
+    torch.manual_seed(spec.seed)
+    try:
+        return build_model(name, data.feature_shape, data.num_classes, vocab, **spec.model.options)
+    except (RuntimeError, ValueError, TypeError) as err:  # a builder refusing its options (e.g. a negative size)
+        problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecError("model", spec.model.model_dump(), f"cannot be built: {problem}") from None
 
 
 def prepare(spec: PipelineSpec, root: Path) -> Prepared:
@@ -63,12 +98,7 @@ def prepare(spec: PipelineSpec, root: Path) -> Prepared:
         if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
             raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,
                             f"the federation has only {data.n_clients} clients")
-    torch.manual_seed(spec.seed)
-    try:
-        model = build_model(spec.model.name, data.feature_shape, data.num_classes, **spec.model.options)
-    except (RuntimeError, ValueError, TypeError) as err:  # a builder refusing its options (e.g. a negative size)
-        problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecError("model", spec.model.model_dump(), f"cannot be built: {problem}") from None
+    model = model_for(spec, data)
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
     check_devices(spec, device, algorithms)
     probe = copy.deepcopy(model)
@@ -80,4 +110,4 @@ def prepare(spec: PipelineSpec, root: Path) -> Prepared:
         except SpecError as err:
             raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
                             err.value, err.problem, err.allowed) from None
-    return Prepared(data, model, algorithms, device)
+    return Prepared(data, client_data(data), make_task(data.task, data.specials), model, algorithms, device)

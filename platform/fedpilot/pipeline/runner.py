@@ -61,8 +61,8 @@ class PipelineRunner:
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
         prepared = prepare(spec, self.root)  # every input check, before any run is created
-        self.data, self.model, self.algorithms, self.device = (prepared.data, prepared.model, prepared.algorithms,
-                                                               prepared.device)
+        self.data, self.tensors, self.task = prepared.data, prepared.tensors, prepared.task
+        self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
@@ -93,7 +93,7 @@ class PipelineRunner:
             summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
                        for o in outcomes]
             self.tracker.log_pipeline_results(parent, {o.name: o.accuracy["test"] for o in outcomes}, summary,
-                                              spec.tracking.plots)
+                                              spec.tracking.plots, self.task.primary)
             self.tracker.finish(parent)
             shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
         except BaseException as err:
@@ -135,7 +135,7 @@ class PipelineRunner:
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
         config = stage_spec.engine_config(spec.evaluation.every)
         bank = carry_bank(before, split.personal_names) if before is not None else None
-        stage = FederatedStage(self.model, split, self.data, algorithm, config, spec.seed, i, bank)
+        stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task)
         return stage, split, key
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
@@ -217,11 +217,12 @@ class PipelineRunner:
         """Log a finished stage's report (final metrics, footprints, per-client table, plots) to its run and finish
         it (unless `log` is off: a resumed run already holds it)."""
         name = self.spec.stages[index].name
-        report = stage_report(stage, split, peak, before)
+        report = stage_report(stage, split, self.data.client_names, peak, before)
         if log:
-            previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s]["acc"].numpy()
+            previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s][stage.task.primary].numpy()
                                                            for s in SPLITS}) if before is not None else None
             extra = {**report.memory, **{k: v for k, v in report.metrics.items() if "_frac_" in k}}
-            self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots)
+            self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
+                                           stage.task.primary)
             self.tracker.finish(run_id)
         return StageOutcome(index, name, cache, run_id, report.accuracy, {**report.metrics, **report.memory})

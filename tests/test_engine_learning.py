@@ -15,15 +15,17 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.data import DatasetSpec, build_federated_data
 from fedpilot.engine import LocalConfig, StageConfig, carry_bank
 from fedpilot.models import apply_split, build_model
+from fedpilot.pipeline.checks import client_data
 
 
 def three_stages(seed: int, cache_dir) -> tuple[float, float]:
     """(FedAvg mean per-client test accuracy, after FedAlt + fine-tuning) for one seed."""
     spec = DatasetSpec.from_dict({"source": {"kind": "digits"},
                                   "partition": {"kind": "dirichlet", "alpha": 0.3, "clients": 100}})
-    data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
+    built = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
+    data = client_data(built)
     torch.manual_seed(seed)
-    model = build_model("mlp", data.feature_shape, data.num_classes)
+    model = build_model("mlp", built.feature_shape, built.num_classes)
     local = LocalConfig(epochs=1, batch_size=10, lr=0.05)
     pretrain = stage_for(model, [], data, build_algorithm("fedavg"),
                               StageConfig(rounds=100, clients_per_round=10, local=local, eval_every=100), seed, 0)

@@ -1,7 +1,7 @@
 """fedpilot on the shared workload: a FederatedStage (FedAvg) run by a Lightning Trainer, as `fedpilot run` does.
 
 The zoo's model starts from the workload's initial weights; the client data become one client-major
-FederatedData on the device. Round time: between consecutive on_train_batch_end hooks (the whole Trainer
+ClientData on the device. Round time: between consecutive on_train_batch_end hooks (the whole Trainer
 step: sampling, local training, aggregation, server step). The stage has one more round than is run, so
 the end-of-stage evaluation stays out of the timing.
 `--execution` picks the executor (auto = what the engine chooses; sequential = the test-only reference).
@@ -21,23 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import RoundClock, Workload, build_model, contender_args, load_data, report  # noqa: E402
 
 from fedpilot.algorithms import build_algorithm  # noqa: E402
-from fedpilot.data import FederatedData  # noqa: E402
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
+from fedpilot.engine.data import ClientData  # noqa: E402
 from fedpilot.engine.local import choose_execution  # noqa: E402
 from fedpilot.models import build_model as zoo_model  # noqa: E402
 from fedpilot.models.split import ParamSplit  # noqa: E402
 
 
-def federated_data(work: Workload) -> FederatedData:
+def federated_data(work: Workload) -> ClientData:
     """The workload's clients as fedpilot's client-major tensors (val and test alias the train samples)."""
     x, y = load_data(work)
     starts = torch.arange(work.clients) * work.samples
     sizes = torch.full((work.clients,), work.samples)
-    return FederatedData(x=torch.from_numpy(np.array(x)).flatten(0, 1), y=torch.from_numpy(np.array(y)).flatten(),
-                         offsets=dict.fromkeys(("train", "val", "test"), starts),
-                         sizes=dict.fromkeys(("train", "val", "test"), sizes), num_classes=work.classes,
-                         feature_shape=work.input_shape, client_names=[str(c) for c in range(work.clients)],
-                         fingerprint=f"bench-{work.model}-{work.seed}")
+    return ClientData(x=torch.from_numpy(np.array(x)).flatten(0, 1), y=torch.from_numpy(np.array(y)).flatten(),
+                      offsets=dict.fromkeys(("train", "val", "test"), starts),
+                      sizes=dict.fromkeys(("train", "val", "test"), sizes))
 
 
 def stage_for(work: Workload, rounds: int, execution: str = "auto", precision: str = "32-true") -> FederatedStage:

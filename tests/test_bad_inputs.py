@@ -249,8 +249,8 @@ CASES = [
     case("hf-deep-path-missing", "dataset.source.path='data/train/part'", hf(path="data/train/part")),
     case("hf-suffix-missing", "dataset.source.path='train.csv'", hf(path="train.csv")),
     case("hf-glob-no-match", "no file matches this pattern", hf(path="@DATA@/*.nothing")),
-    case("hf-hub-unreachable", "dataset.source.path='someone/no-such-dataset': cannot load",
-         hf(path="someone/no-such-dataset")),
+    case("hf-hub-unreachable", "dataset.source.path='someone/no-such-dataset': the Hugging Face hub cannot be "
+         "reached", hf(path="someone/no-such-dataset"), command=("run",)),
     case("hf-loading-script", "dataset.source.path='@DATA@/script': cannot load", hf(path="@DATA@/script")),
     case("hf-bad-config-name", "dataset.source.name='nope'", hf(path="@DATA@/folder", name="nope")),
     case("hf-bad-split", "dataset.source.split='test'", hf(path="@DATA@/folder", split="test")),
@@ -448,3 +448,14 @@ def test_an_ordinary_bad_override_exits_2_without_traceback_in_a_subprocess(plac
     code, output, _ = subprocess_cli("run", str(write(BASE, place)), "=1")
     check_output(code, output, "override='=1'")
     assert created(place["tmp"]) == []
+
+
+def test_validate_and_submit_warn_when_the_data_cannot_be_reached_from_here(place):
+    """A hub dataset on a machine without the hub: the spec is valid, the data checks wait for a machine that
+    reaches the data (run refuses it: the corpus case hf-hub-unreachable)."""
+    path = place["tmp"] / "hub.yaml"
+    path.write_text(yaml.safe_dump(hf(path="someone/no-such-dataset")))
+    code, output = cli("validate", str(path))
+    assert code == 0 and "warning: dataset.source.path='someone/no-such-dataset'" in output and "ok:" in output
+    code, output = cli("submit", str(path))
+    assert code == 0 and "warning:" in output

@@ -14,6 +14,7 @@ from fedpilot.cli_common import (
     Overrides,
     Pipeline,
     ResultFile,
+    checked,
     fail,
     print_json,
     program,
@@ -79,7 +80,7 @@ def validate(pipeline: Pipeline, overrides: Overrides = None, cache_dir: CacheDi
     quiet_lightning()
     try:
         spec = load_pipeline(pipeline, overrides or [])
-        prepare(spec, cache_dir or cache_root())
+        checked(lambda: prepare(spec, cache_dir or cache_root()))
     except SpecError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(spec.resolved()).rstrip())

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import DataUnavailable, SpecError
 from fedpilot.jobs.result_file import write_result
 
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
@@ -44,6 +44,16 @@ def program() -> str:
 def print_json(value: object) -> None:
     json.dump(value, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def checked(check: Callable[[], object]) -> None:
+    """Run the data checks of `validate` or `submit`; data this machine cannot reach is a warning, not an error
+    (the worker or cluster may reach it; `run` refuses it before creating anything)."""
+    try:
+        check()
+    except DataUnavailable as err:
+        typer.secho(f"warning: {err}; the checks that need the data run again before anything is created",
+                    fg=typer.colors.YELLOW, err=True)
 
 
 @contextmanager

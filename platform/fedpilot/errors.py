@@ -39,6 +39,12 @@ def check_finite(value: Any, key: str = "") -> None:
         check_finite(item, f"{key}.{part}" if key else str(part))
 
 
+class DataUnavailable(SpecError):
+    """The pipeline's data cannot be reached from here (a hub dataset while offline, not in the local cache): the
+    checks that need the data cannot run here. `validate` and `submit` warn and go on (the worker or cluster may
+    reach it); `run` stops with exit code 2 before creating anything."""
+
+
 def did_you_mean(value: Any, allowed: Iterable[Any]) -> str | None:
     """The closest allowed name to a misspelt one, if any is close."""
     if not isinstance(value, str):

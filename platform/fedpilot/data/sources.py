@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
 from fedpilot.data.config import DigitsSource, HFSource, ShakespeareSource, SklearnSource, SyntheticSource
-from fedpilot.errors import SpecError
+from fedpilot.errors import DataUnavailable, SpecError
 
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -129,15 +131,50 @@ def _load_table(spec: HFSource):
             loaded = datasets.load_from_disk(path)
         elif builder := _file_builder(path):
             return datasets.load_dataset(builder, data_files=path, split="train")
-        else:
+        elif Path(path).is_dir() or hub_reachable():
             return datasets.load_dataset(path, spec.name, split=spec.split)
-    except Exception as err:  # the hub unreachable, a loading script, a bad config name or split, a broken file
+        else:
+            return _from_hub_cache(spec)
+    except DataUnavailable:
+        raise
+    except Exception as err:  # a loading script, a bad config name or split, a broken file
         raise _load_error(spec, err) from None
     if isinstance(loaded, datasets.DatasetDict):
         if spec.split not in loaded:
             raise SpecError("dataset.source.split", spec.split, "no such split", allowed=list(loaded))
         return loaded[spec.split]
     return loaded
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection (not in offline mode): seconds, not the library's
+    retries of a minute."""
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(hub.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_hub_cache(spec: HFSource):
+    """A hub dataset from the local Hugging Face cache (downloaded earlier), or DataUnavailable."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(spec.path, spec.name, split=spec.split)
+    except Exception:  # not in the cache
+        raise DataUnavailable("dataset.source.path", spec.path, "the Hugging Face hub cannot be reached from here "
+                              "and the dataset is not in the local cache") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
 def looks_local(path: str) -> bool:

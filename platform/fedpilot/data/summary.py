@@ -76,13 +76,13 @@ def format_summary(d: dict) -> str:
              "next_token": f"vocabulary {d['num_classes']}",
              "regression": f"targets {d['num_classes']}"}[d["task"]]
     lines = [f"task {d['task']}   clients {d['clients']}   features {tuple(d['feature_shape'])}   {extra}",
-             "", f"{'per client':<20}" + "".join(f"{k:>8}" for k in [*STATS, "mean"]) + f"{'total':>9}"]
+             "", f"{'per client':<20}" + "".join(f"{k:>9}" for k in [*STATS, "mean"]) + f"{'total':>10}"]
     for split in SPLITS:
         row = d["sizes"][split]
-        lines.append(f"{split + ' samples':<20}" + "".join(f"{row[k]:8.1f}" for k in [*STATS, "mean"])
-                     + f"{d['samples'][split]:9d}")
+        lines.append(f"{split + ' samples':<20}" + "".join(f"{row[k]:9.6g}" for k in [*STATS, "mean"])
+                     + f"{d['samples'][split]:10d}")
     for key, label in (("classes_per_client", "classes (train)"), ("tokens_per_client", "tokens (train)"),
                        ("target_mean_per_client", "target mean")):
         if key in d:
-            lines.append(f"{label:<20}" + "".join(f"{d[key][k]:8.2f}" for k in [*STATS, "mean"]))
+            lines.append(f"{label:<20}" + "".join(f"{d[key][k]:9.4g}" for k in [*STATS, "mean"]))
     return "\n".join(lines)

@@ -44,6 +44,7 @@ PR_SET_PDEATHSIG = 1
 def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) -> dict[str, Any]:
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere)."""
+    from fedpilot.cli_common import checked
     from fedpilot.pipeline import prepare as check
     from fedpilot.settings import cache_root
     from fedpilot.spec import load_pipeline
@@ -51,7 +52,7 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) 
     if trials is not None and trials < 1:
         raise SpecError("--trials", trials, "must be at least 1")
     spec = load_pipeline(path, overrides)
-    check(spec, cache_root())
+    checked(lambda: check(spec, cache_root()))
     resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:

@@ -120,9 +120,14 @@ class Block(nn.Module):
         self.adapter_mlp: nn.Module = nn.Identity()
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention written out (softmax(q k^T / sqrt(d)) v, as nanoGPT's manual path): torch.func vmaps it with
+        batched matmuls, where scaled_dot_product_attention falls back to a loop over clients."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.n_heads)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        out = scores.softmax(-1) @ v
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,10 +196,12 @@ class PooledEncoder(nn.Module):
 
 
 def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
-                    pad_id: int = 0, encoder: str = "transformer", d_model: int = 64, n_layers: int = 2,
+                    pad_id: int | None = None, encoder: str = "transformer", d_model: int = 64, n_layers: int = 2,
                     n_heads: int = 4) -> Net:
     """A sequence classifier (Sent140-like tasks): a bidirectional transformer encoder (or an LSTM, `encoder:
-    lstm`) over the tokens, mean-pooled over the real tokens, then a linear head over the classes."""
+    lstm`) over the tokens, mean-pooled over the real tokens (those that are not `pad_id`, default the data's),
+    then a linear head over the classes."""
+    pad_id = 0 if pad_id is None else pad_id
     length = _check_rank("text_classifier", input_shape, 1, "token sequences (length,)")[0]
     if vocab_size is None:
         raise SpecError("model.vocab_size", None, "text_classifier needs a vocabulary: tokenize a text column "

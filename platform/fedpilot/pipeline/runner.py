@@ -86,6 +86,8 @@ class PipelineRunner:
                 spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra), {}
         self.run_id = parent = run_id
         started(run_id)
+        if not resume and self.data.folder is not None and (self.data.folder / "tokenizer.json").is_file():
+            self.tracker.client.log_artifact(run_id, str(self.data.folder / "tokenizer.json"), "data")
         open_runs = [parent]
         try:
             with self.tracker.system_metrics(parent, spec.tracking.system_metrics), stop_on_signals():

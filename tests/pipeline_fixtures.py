@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import yaml
@@ -37,7 +38,9 @@ def write_pipeline(folder: Path, spec: dict | None = None, name: str = "small.ya
 def cli(*args: str) -> tuple[int, str]:
     """(exit code, stdout + stderr) of `fedpilot ARGS` run in this process."""
     result = CliRunner().invoke(app, list(args), catch_exceptions=True)
-    return result.exit_code, result.output
+    crash = result.exception and not isinstance(result.exception, SystemExit)
+    trace = "".join(traceback.format_exception(result.exception)) if crash else ""  # shown when an assert fails
+    return result.exit_code, result.output + trace
 
 
 def run_id_of(output: str) -> str:

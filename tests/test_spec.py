@@ -11,34 +11,30 @@ import yaml
 from fedpilot.algorithms import ALGORITHMS
 from fedpilot.errors import SpecError
 from fedpilot.spec import PipelineSpec, configs_dir, load_pipeline
+from hub_standins import VALIDATED, write_hub_copies
 from pipeline_fixtures import SMALL, cli, write_pipeline
-from test_data_sources import WRITERS, femnist_like
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
-def femnist_parquet(tmp_path_factory) -> str:
-    """A FEMNIST-shaped table (6 writers) standing in for the hub's flwrlabs/femnist: this suite runs offline."""
-    path = tmp_path_factory.mktemp("hub") / "femnist.parquet"
-    femnist_like().to_parquet(str(path))
-    return str(path)
+def hub_copies(tmp_path_factory) -> dict[str, Path]:
+    return write_hub_copies(tmp_path_factory.mktemp("hub"))
 
 
-def offline(path: Path, femnist_parquet: str) -> list[str]:
-    """Overrides that put the local stand-in in place of a hub dataset, with cohorts that fit its 6 writers."""
-    spec = load_pipeline(path)
-    if spec.dataset.source.kind != "hf":
+def offline(path: Path, hub_copies: dict[str, Path]) -> list[str]:
+    """Overrides that put a local stand-in with the hub dataset's columns in place of it: this suite runs offline."""
+    if load_pipeline(path).dataset.source.kind != "hf":
         return []
-    cohorts = [f"stages.{i}.clients_per_round={min(s.clients_per_round, WRITERS)}"
-               for i, s in enumerate(spec.stages) if s.clients_per_round]
-    return [f"dataset.source.path={femnist_parquet}", f"dataset.partition.clients={WRITERS}", *cohorts]
+    assert path.stem in VALIDATED, f"{path.name} reads the hub: give it a stand-in in tests/hub_standins.py"
+    data, overrides = VALIDATED[path.stem]
+    return [f"dataset.source.path={hub_copies[data]}", *overrides]
 
 
 @pytest.mark.parametrize("path", PIPELINES, ids=[p.stem for p in PIPELINES])
-def test_every_shipped_pipeline_validates(path, workdir, femnist_parquet):
-    code, output = cli("validate", str(path), *offline(path, femnist_parquet))
+def test_every_shipped_pipeline_validates(path, workdir, hub_copies):
+    code, output = cli("validate", str(path), *offline(path, hub_copies))
     assert code == 0, output
     assert "ok: " in output and "stages:" in output
 

@@ -8,6 +8,7 @@ last training stats to OUT.pt. tests/test_ddp.py compares them with `train_cases
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -57,7 +58,7 @@ def train_cases(devices: int) -> dict[str, dict[str, Any]]:
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(stage)
-        results[name] = {"state": {k: v.clone() for k, v in stage.state_dict().items()}, "history": stage.history,
+        results[name] = {"state": copy.deepcopy(stage.state_dict()), "history": stage.history,
                          "comm_bytes": stage.comm_bytes,
                          "train": {k: stage.round_log[k] for k in ("train_loss", "train_acc", "bytes_up")}}
     return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -21,8 +23,9 @@ def make_stage(rounds: int = 6, algo: str = "fedalt", server: ServerConfig | Non
     return stage_for(TinyMLP(), personal, ToyData(), build_algorithm(algo), cfg, seed=1)
 
 
-def state(stage: FederatedStage) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in stage.state_dict().items()}
+def state(stage: FederatedStage) -> dict:
+    """The stage's state: its tensors, and the banks' written rows (extra state)."""
+    return copy.deepcopy(stage.state_dict())
 
 
 def test_resume_mid_stage_gives_identical_parameters(tmp_path):

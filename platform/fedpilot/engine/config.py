@@ -81,4 +81,5 @@ class StageConfig(Strict):
     eval_every: int = Field(10, ge=1)
     max_parallel_clients: int = Field(256, ge=1)
     execution: Literal["auto", "vmap", "loop"] = "auto"
+    host_memory_budget: int | None = Field(None, ge=0)  # bytes of per-client rows kept in memory; more: a file
     precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from fedpilot.engine.bank import ClientBank
+from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import round_generator
 from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
@@ -45,7 +46,7 @@ class FederatedStage(L.LightningModule):
     """
 
     def __init__(self, model: nn.Module, split: ParamSplit, data: ClientData, algorithm: Algorithm,
-                 config: StageConfig, seed: int = 0, stage_index: int = 0, bank: Params | None = None,
+                 config: StageConfig, seed: int = 0, stage_index: int = 0, bank: ClientBank | None = None,
                  task: Task = CLASSIFICATION):
         super().__init__()
         self.save_hyperparameters(
@@ -59,12 +60,11 @@ class FederatedStage(L.LightningModule):
         copy = algorithm.personal_copy  # every parameter both global and personal (Ditto)
         self.shared_names = [n for n in params if copy or n not in set(self.personal_names)]
         self.register_buffer("_no_shared", torch.zeros(0))
-        init = {n: params[n].detach().clone() for n in self.personal_names}
-        self.personal_init = ClientBank({n: v.unsqueeze(0) for n, v in init.items()})
-        start = bank if bank is not None else {n: v.expand(data.n_clients, *v.shape) for n, v in init.items()}
-        self.bank = ClientBank({n: start[n].clone() for n in self.personal_names})
-        state = algorithm.client_state()
-        self.state_bank = ClientBank({n: v.expand(data.n_clients, *v.shape).clone() for n, v in state.items()})
+        self.personal_init = {n: params[n].detach().clone() for n in self.personal_names}  # the stage's start
+        budget = config.host_memory_budget
+        self.bank = bank if bank is not None else ClientBank(self.personal_init, data.n_clients, budget)
+        self.state_bank = ClientBank(algorithm.client_state(), data.n_clients, budget)
+        self.changes_folder: Path | None = None  # set by save_changes_in()
         self.server_state = algorithm.server_state(data.n_clients)
         self.execution = config.execution
         self.history: list[dict[str, Any]] = []
@@ -111,8 +111,23 @@ class FederatedStage(L.LightningModule):
             self.evaluate(["val", "test"] if last else ["val"], round_idx + 1)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The stage's records and server state; with a `changes_folder`, the banks as the chain of their changes
+        since the stage started (each save writes only the rows written since the last one)."""
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
                                   "server_state": self.server_state}
+        if self.changes_folder is None:
+            return
+        for name in ("bank", "state_bank"):
+            bank = getattr(self, name)
+            bank.save_changes(self.changes_folder / f"{name}-{self.global_step}.pt", self.trainer.is_global_zero)
+            checkpoint["state_dict"][f"{name}._extra_state"] = bank.get_extra_state()
+
+    def save_changes_in(self, folder: Path | None) -> None:
+        """Checkpoints save the banks as chains of their changes in `folder` (each save writes only the rows written
+        since the last one) instead of every written row; None: the state holds every written row again."""
+        self.changes_folder = None if folder is None else Path(folder)
+        for bank in (self.bank, self.state_bank):
+            bank.chain = None if folder is None else bank.chain or []
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("fedpilot", {})
@@ -152,7 +167,7 @@ class FederatedStage(L.LightningModule):
         clients = self.sample_cohort(round_idx).to(self.device)
         work, shared = self.round_work(round_idx), self.shared_params()
         info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
-        init = {n: self.personal_init.tensor(n)[0] for n in self.personal_names}
+        init = {n: v.to(self.device) for n, v in self.personal_init.items()}
         stateful = self.algorithm.stateful
         aggregate = self.algorithm.aggregator()
         chunk = chunk or self.config.max_parallel_clients
@@ -250,11 +265,11 @@ def process_rows(n: int) -> slice:
     return slice(rank * n // world, (rank + 1) * n // world)
 
 
-def carry_bank(previous: FederatedStage, personal_names: list[str]) -> Params:
-    """The starting personal bank of the next stage: a parameter personal before keeps each client's value,
-    a parameter that becomes personal starts as its current shared value (paper 000, App. B.2), and one new
-    to the model (an adapter inserted since) starts as the model's own initial value."""
+def carry_bank(previous: FederatedStage, personal_names: list[str]) -> ClientBank:
+    """The starting personal bank of the next stage: a parameter personal before keeps each client's value (and
+    its shared starting value for clients that never trained), a parameter that becomes personal starts as its
+    current shared value (paper 000, App. B.2), and one new to the model (an adapter inserted since) as the
+    model's own initial value."""
     current = {n: p.detach() for n, p in previous.model.named_parameters()}
-    n = previous.data.n_clients
-    return {name: previous.bank.tensor(name).clone() if name in previous.bank.names
-            else current[name].expand(n, *current[name].shape).clone() for name in personal_names}
+    init = {n: previous.bank.init[n] if n in previous.bank.names else current[n] for n in personal_names}
+    return starting_bank(init, previous.data.n_clients, previous.bank, previous.config.host_memory_budget)

@@ -172,12 +172,14 @@ class PipelineRunner:
         callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset), CheckpointOnStop(last)]
         if self.progress:
             callbacks.append(RoundProgress(f"[{index + 1}/{len(self.spec.stages)}] {name}"))
+        stage.save_changes_in(checkpoints / "banks")
         trainer = self._trainer(stage, checkpoints, callbacks)
         try:
             with PeakMemory(self.device) as memory:
                 trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
         finally:
             self.rounds_trained += stage.rounds_run
+        stage.save_changes_in(None)  # the cache keeps every written row: the checkpoints go
         peak = memory.bytes
         self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
                               "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})

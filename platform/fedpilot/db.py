@@ -136,6 +136,7 @@ class Job(Base):
     stdout_tail: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed, in a line or a few
+    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} the last attempt ran with
 
 
 class JobAttempt(Base):
@@ -154,6 +155,7 @@ class JobAttempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     run_id: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
+    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} of the plugins it ran with
 
 
 class Schedule(Base):

@@ -132,11 +132,11 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     run_id: Mapped[str | None] = mapped_column(String(64))
+    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} the last attempt ran with
     tracking_uri: Mapped[str | None] = mapped_column(Text)
     stdout_tail: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed, in a line or a few
-    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} the last attempt ran with
 
 
 class JobAttempt(Base):

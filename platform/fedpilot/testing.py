@@ -12,6 +12,7 @@ Names here are stable like those of fedpilot.api.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -94,8 +95,9 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
               execution: str = "sequential", chunk: int = 1, local: LocalConfig | None = None,
               model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None) -> tuple[Params, Params]:
     """(shared parameters, personal bank) after 4 rounds of 7 clients of ToyData (seed 3) with `execution` in chunks
-    of `chunk` clients. `algorithm`: an instance, or a registered name built with `params`; `personal`: the personal
-    parameter names (None: all); `model`: a zero-argument factory of a fresh model for `data`."""
+    of `chunk` clients. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
+    `params`; `personal`: the personal parameter names (None: all); `model`: a zero-argument factory of a fresh model
+    for `data`."""
     from fedpilot.algorithms import build_algorithm
 
     torch.manual_seed(0)
@@ -103,7 +105,7 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     names = [n for n, _ in net.named_parameters()] if personal is None else personal
     config = StageConfig(rounds=4, clients_per_round=7, local=local or LocalConfig(batch_size=4, lr=0.1),
                          max_parallel_clients=chunk, eval_every=2)
-    built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else algorithm
+    built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else copy.deepcopy(algorithm)
     stage = stage_for(net, names, data or ToyData(), built, config, seed=3)
     stage.execution = execution
     fit(stage)

@@ -6,13 +6,11 @@ import pytest
 import torch
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
-from fedpilot.algorithms import build_algorithm
 from fedpilot.api import Algorithm
 from fedpilot.engine import Cohort, LocalConfig, StageConfig, Upload
 from fedpilot.engine.local import choose_execution
+from fedpilot.testing import HEAD, INPUT, assert_close, assert_matches_sequential, run_stage
 
-HEAD = ["head.weight", "head.bias"]
-INPUT = ["body.1.weight", "body.1.bias"]
 CASES = [
     ("fedavg", [], {}),
     ("fedalt", HEAD, {}),
@@ -26,36 +24,9 @@ CASES = [
 ]
 
 
-def run_stage(algo: str, personal: list[str] | None, params: dict, execution: str, chunk: int,
-              local: LocalConfig, model_cls=TinyMLP, data=None) -> tuple[dict, dict]:
-    torch.manual_seed(0)
-    model = model_cls()
-    names = [n for n, _ in model.named_parameters()] if personal is None else personal
-    data = data or ToyData()
-    cfg = StageConfig(rounds=4, clients_per_round=7, local=local, max_parallel_clients=chunk, eval_every=2)
-    algorithm = build_algorithm(algo, params) if isinstance(algo, str) else algo
-    stage = stage_for(model, names, data, algorithm, cfg, seed=3)
-    stage.execution = execution
-    fit(stage)
-    shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
-    bank = {n: stage.bank.tensor(n).clone() for n in names}
-    return shared, bank
-
-
-def assert_close(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize(("algo", "personal", "params"), CASES)
 def test_vmap_and_loop_match_sequential(algo, personal, params):
-    local = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
-    reference = run_stage(algo, personal, params, "sequential", 1, local)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
-        got = run_stage(algo, personal, params, execution, chunk, local)
-        assert_close(got[0], reference[0])
-        assert_close(got[1], reference[1])
+    assert_matches_sequential(algo, personal, params)
 
 
 def test_steps_budget_and_lr_schedule_match_sequential():
@@ -67,14 +38,8 @@ def test_steps_budget_and_lr_schedule_match_sequential():
 
 
 def test_conv_model_matches_sequential():
-    local = LocalConfig(epochs=1, batch_size=4, lr=0.1)
-    data = ToyData(image=True)
-    reference = run_stage("fedalt", INPUT[:0] + ["body.0.weight", "body.0.bias"], {}, "sequential", 1, local,
-                          TinyCNN, data)
-    for execution in ("vmap", "loop"):
-        got = run_stage("fedalt", ["body.0.weight", "body.0.bias"], {}, execution, 4, local, TinyCNN, data)
-        assert_close(got[0], reference[0])
-        assert_close(got[1], reference[1])
+    assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
+                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("loop", 4)))
 
 
 def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
@@ -103,12 +68,7 @@ class GradientStep(Algorithm):
 
 
 def test_gradients_and_client_state_match_sequential():
-    local = LocalConfig(batch_size=4, lr=0.1)
-    reference = run_stage(GradientStep(), HEAD, {}, "sequential", 1, local)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
-        got = run_stage(GradientStep(), HEAD, {}, execution, chunk, local)
-        assert_close(got[0], reference[0])
-        assert_close(got[1], reference[1])
+    assert_matches_sequential(GradientStep(), HEAD, local=LocalConfig(batch_size=4, lr=0.1))
 
 
 def test_client_state_counts_each_clients_visits():

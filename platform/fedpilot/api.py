@@ -1,7 +1,17 @@
-"""fedpilot's public API for algorithms, models, sources and tasks written outside the package (and the built-in
-ones, which use nothing else). Names here are stable; everything else in fedpilot is private.
+"""fedpilot's public API for algorithms, models and dataset sources written outside the package (plugins, registered
+by entry points: groups `fedpilot.algorithms`, `fedpilot.models`, `fedpilot.sources`) and for the built-in ones,
+which use nothing else. Names here are stable; everything else in fedpilot is private (fedpilot.testing holds the
+public test helpers).
 
-Importing this module is cheap (no torch); the names that need torch load it on first use.
+- an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`), which sees a `Cohort`
+  (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side (`Aggregator`,
+  `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`);
+- a model: a `Net(body, head)` subclass built as `Model(input_shape, num_classes, **options)`;
+- a dataset source: a `Source` (pydantic fields = its options) whose `load` returns `RawData`;
+- a task (not pluggable yet): `Task`, what the engine scores a model's outputs by (cohorts train with it);
+- `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2.
+
+Importing this module is cheap (no torch); the names that need torch or numpy load them on first use.
 """
 
 from importlib import import_module
@@ -25,6 +35,10 @@ _LAZY = {
     "LocalConfig": "fedpilot.engine.config",  # the stage's `local` block (cohort.local)
     "round_generator": "fedpilot.engine.batches",  # a torch.Generator seeded by (seed, stage, round, ...)
     "Params": "fedpilot.engine.local",  # dict[str, torch.Tensor]: parameters by name
+    "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model subclasses it
+    "Source": "fedpilot.data.config",  # a dataset source: options (pydantic fields) and `load`
+    "RawData": "fedpilot.data.sources",  # what a source's `load` returns: features, targets, natural clients
+    "Task": "fedpilot.engine.task",  # what outputs are scored by: loss, per-sample metrics
 }
 
 __all__ = ["Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo", "SpecError",

@@ -226,8 +226,10 @@ def ui(
 
 
 from fedpilot.jobs.cli import register as register_job_commands  # noqa: E402
+from fedpilot.scaffold import new_app  # noqa: E402
 
 register_job_commands(app)
+app.add_typer(new_app, name="new")
 
 if __name__ == "__main__":
     app()

@@ -132,6 +132,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     run_id: Mapped[str | None] = mapped_column(String(64))
+    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} the last attempt ran with
     tracking_uri: Mapped[str | None] = mapped_column(Text)
     stdout_tail: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str | None] = mapped_column(Text)
@@ -154,6 +155,7 @@ class JobAttempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     run_id: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
+    plugins: Mapped[str | None] = mapped_column(Text)  # JSON {distribution: version} of the plugins it ran with
 
 
 class Schedule(Base):

@@ -9,7 +9,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -31,7 +31,7 @@ from pydantic import (
 from fedpilot.data import DatasetSpec
 from fedpilot.engine.config import StageConfig
 from fedpilot.errors import SpecError, check_finite, from_validation
-from fedpilot.models import MODELS, PRESETS, check_model
+from fedpilot.models import PRESETS, check_model, option_types
 from fedpilot.names import check_name
 
 
@@ -341,7 +341,7 @@ class ModelSpec(BaseModel):
     @model_validator(mode="after")
     def _registered(self) -> ModelSpec:
         check_model(self.name, self.options)
-        hints = get_type_hints(MODELS[self.name])
+        hints = option_types(self.name)
         for key, value in self.options.items():  # each option as its builder's signature types it
             try:
                 setattr(self, key, TypeAdapter(hints[key]).validate_python(value))

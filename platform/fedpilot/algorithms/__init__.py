@@ -1,12 +1,28 @@
-"""The algorithms a pipeline can name. A new algorithm is one module here (its Params, docstring and
-`local_update`), one line below, and its tests; nothing is imported by a path from a user's YAML."""
+"""The algorithms a pipeline can name. A new built-in algorithm is one module here (its Params, docstring and
+`local_update`), one line below, and its tests; a plugin's is a class in its own distribution, registered under the
+entry-point group `fedpilot.algorithms`. Nothing is imported by a path from a user's YAML."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from fedpilot.engine.protocol import Algorithm
+from fedpilot.engine.protocol import Algorithm, AlgorithmParams
 from fedpilot.registry import Registry
+
+
+def algorithm_problem(name: str, component: Any) -> str | None:
+    """What keeps a plugin's `component` from being the algorithm `name`, or None."""
+    if not (isinstance(component, type) and issubclass(component, Algorithm)):
+        return "is not a subclass of fedpilot.api.Algorithm"
+    if inspect.isabstract(component):
+        return f"does not implement {', '.join(sorted(component.__abstractmethods__))}"
+    if not (isinstance(component.Params, type) and issubclass(component.Params, AlgorithmParams)):
+        return "has a Params that is not a subclass of fedpilot.api.AlgorithmParams"
+    if getattr(component, "name", None) != name:
+        return f"sets name = {getattr(component, 'name', None)!r}: an algorithm's name is its entry point's, {name!r}"
+    return None
+
 
 ALGORITHMS = Registry("algorithm", {
     "ditto": "fedpilot.algorithms.ditto:Ditto",
@@ -25,7 +41,7 @@ ALGORITHMS = Registry("algorithm", {
     "pflego": "fedpilot.algorithms.pflego:Pflego",
     "selffl": "fedpilot.algorithms.selffl:SelfFL",
     "selffl_aug": "fedpilot.algorithms.selffl:SelfFLAug",
-})
+}, group="fedpilot.algorithms", check=algorithm_problem)
 
 
 def build_algorithm(name: str, params: dict[str, Any] | None = None, key: str = "algorithm") -> Algorithm:

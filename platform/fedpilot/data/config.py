@@ -1,13 +1,30 @@
-"""Typed dataset specs: source, partition, per-client split. Errors name the key path and the bad value."""
+"""Typed dataset specs: source (a built-in kind or a plugin's), partition, per-client split. Errors name the key path
+and the bad value."""
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Annotated, Any, Literal
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fedpilot.errors import SpecError, check_finite, from_validation
+from fedpilot.registry import Registry
+
+if TYPE_CHECKING:
+    from fedpilot.data.sources import RawData
 
 
 class Strict(BaseModel):
@@ -81,8 +98,45 @@ class HFSource(Strict):
     max_samples: int | None = Field(None, ge=1)
 
 
-SourceSpec = Annotated[SyntheticSource | DigitsSource | SklearnSource | ShakespeareSource | HFSource,
-                       Field(discriminator="kind")]
+class Source(Strict, ABC):
+    """A plugin's dataset source (fedpilot.api.Source): its pydantic fields are the options a pipeline gives under
+    `dataset.source` next to `kind` (the name of its entry point in the group `fedpilot.sources`), and `load`
+    returns its samples. A source with natural clients fills RawData.groups (for `partition: {kind: natural}`)."""
+
+    kind: str
+
+    @abstractmethod
+    def load(self, seed: int, downloads: Path) -> RawData:
+        """All samples (`seed`: the dataset's seed; `downloads`: a folder for what it fetches once)."""
+
+
+def source_problem(name: str, component: Any) -> str | None:
+    """What keeps a plugin's `component` from being a dataset source, or None."""
+    if not (isinstance(component, type) and issubclass(component, Source)):
+        return "is not a subclass of fedpilot.api.Source"
+    if inspect.isabstract(component):
+        return "does not implement load"
+    return None
+
+
+SOURCES = Registry("source kind", {kind: f"{__name__}:{cls}" for kind, cls in (
+    ("synthetic", "SyntheticSource"), ("digits", "DigitsSource"), ("sklearn", "SklearnSource"),
+    ("shakespeare", "ShakespeareSource"), ("hf", "HFSource"))},
+    group="fedpilot.sources", check=source_problem, key="dataset.source.kind")
+
+
+def _validated_source(value: Any) -> Any:
+    """A `source:` mapping validated by the class its `kind` names: a built-in or a plugin's."""
+    if isinstance(value, Strict):
+        return value
+    cls = SOURCES.get_checked(value.get("kind") if isinstance(value, dict) else None, "dataset.source.kind")
+    try:
+        return cls.model_validate(value)
+    except ValidationError as err:
+        raise from_validation(err, cls, "dataset.source") from None
+
+
+SourceSpec = Annotated[SerializeAsAny[Strict], BeforeValidator(_validated_source)]
 TASKS = ("classification", "next_token", "regression")
 TOKENIZERS = ("char", "word")
 

@@ -13,13 +13,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedpilot.data.config import DatasetSpec
+from fedpilot.data.config import DatasetSpec, Source
 from fedpilot.data.partition import partition, split_client
 from fedpilot.data.sources import RawData, load_source
 from fedpilot.errors import SpecError
@@ -76,12 +77,28 @@ class FederatedData:
 
 def fingerprint(spec: DatasetSpec, seed: int) -> str:
     """sha256 (16 hex chars) of everything that determines the arrays: spec, effective seed, FORMAT_VERSION, the
-    data package's code (an edited partitioner or source builds anew) and a tokenizer file's contents."""
+    data package's code (an edited partitioner or source builds anew), a plugin source's code and a tokenizer
+    file's contents."""
     tokenizer = spec.text.tokenizer if spec.text else None
     saved = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer and os.path.isfile(tokenizer) else None
     blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION,
-                       "code": _data_code(), "tokenizer": saved}, sort_keys=True, separators=(",", ":"))
+                       "code": _data_code(), "source_code": _plugin_code(spec.source), "tokenizer": saved},
+                      sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _plugin_code(source: object) -> str | None:
+    """sha256 of the modules that define a plugin source's class and its bases (None for a built-in source, whose
+    code is the data package's)."""
+    if not isinstance(source, Source):
+        return None
+    modules = {sys.modules[cls.__module__] for cls in type(source).__mro__ if cls.__module__ in sys.modules}
+    files = sorted(Path(m.__file__) for m in modules if getattr(m, "__file__", None)
+                   and m.__name__.split(".")[0] not in ("fedpilot", "pydantic", "abc", "builtins"))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
 
 
 @functools.cache

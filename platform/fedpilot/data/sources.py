@@ -1,4 +1,5 @@
-"""Where samples come from: synthetic, scikit-learn's bundled sets, LEAF's Shakespeare, any Hugging Face dataset."""
+"""Where samples come from: synthetic, scikit-learn's bundled sets, LEAF's Shakespeare, any Hugging Face dataset, a
+plugin's source."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from fedpilot.data.config import DigitsSource, HFSource, ShakespeareSource, SklearnSource, SyntheticSource
+from fedpilot.data.config import (
+    SOURCES,
+    DigitsSource,
+    HFSource,
+    ShakespeareSource,
+    SklearnSource,
+    Source,
+    SyntheticSource,
+)
 from fedpilot.errors import DataUnavailable, SpecError
+from fedpilot.settings import cache_root
 
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
 FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -43,10 +53,11 @@ class RawData:
         return self.feature_shape is not None and len(self.feature_shape) == 3
 
 
-Source = SyntheticSource | DigitsSource | SklearnSource | ShakespeareSource | HFSource
+BuiltinSource = SyntheticSource | DigitsSource | SklearnSource | ShakespeareSource | HFSource
 
 
-def load_source(source: Source, seed: int, column: str | None = None, downloads: Path | None = None) -> RawData:
+def load_source(source: BuiltinSource | Source, seed: int, column: str | None = None,
+                downloads: Path | None = None) -> RawData:
     """The samples of `source`; `column` (dataset.partition.column) overrides its natural client column;
     `downloads` is where a source fetches what it needs once (the Shakespeare archive)."""
     if isinstance(source, HFSource):
@@ -55,6 +66,8 @@ def load_source(source: Source, seed: int, column: str | None = None, downloads:
     if column is not None and column != natural:
         raise SpecError("dataset.partition.column", column, f"no such column in a {source.kind} source",
                         [natural] if natural else [])
+    if isinstance(source, Source):
+        return plugin_samples(source, seed, downloads or cache_root() / "downloads")
     if isinstance(source, SyntheticSource):
         return synthetic(source, seed if source.seed is None else source.seed)
     if isinstance(source, ShakespeareSource):
@@ -64,6 +77,27 @@ def load_source(source: Source, seed: int, column: str | None = None, downloads:
     if isinstance(source, SklearnSource):
         return bundled(source.name)
     return digits()
+
+
+def plugin_samples(source: Source, seed: int, downloads: Path) -> RawData:
+    """A plugin source's samples; whatever its `load` raises or a result that is not RawData is a SpecError naming
+    the plugin and its distribution."""
+    def broken(problem: str) -> SpecError:
+        return SpecError("dataset.source.kind", source.kind, f"the {SOURCES.origin(source.kind)} {problem}")
+
+    try:
+        raw = source.load(seed, downloads)
+    except SpecError:
+        raise
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise broken(f"failed to load its samples: {type(err).__name__}: {first}") from None
+    if not isinstance(raw, RawData):
+        raise broken(f"returned {type(raw).__name__} from load, not a fedpilot.api.RawData")
+    sizes = {len(a) for a in (raw.x, raw.y, raw.groups) if a is not None}
+    if len(sizes) != 1:
+        raise broken(f"returned x, y and groups of different lengths {sorted(sizes)}")
+    return raw
 
 
 def synthetic(spec: SyntheticSource, seed: int) -> RawData:

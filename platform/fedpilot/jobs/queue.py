@@ -34,6 +34,7 @@ from fedpilot.db import (
 )
 from fedpilot.errors import SpecError
 from fedpilot.jobs.result_file import read_result
+from fedpilot.registry import plugin_distributions
 from fedpilot.settings import DEFAULT_TRACKING_URI
 
 MAX_ATTEMPTS = 3
@@ -100,7 +101,8 @@ def _row(job: Job) -> dict[str, Any]:
             "cancel_requested": job.cancel_requested, "attempts": job.attempts, "worker": job.worker,
             **stamp, "trials": job.trials, "study": job.study, "exit_code": job.exit_code, "run_id": job.run_id,
             "tracking_uri": job.tracking_uri, "mlflow": mlflow_link(job.tracking_uri, job.run_id),
-            "error": job.error, "reason": short_reason(job.error) if job.status == FAILED else None}
+            "error": job.error, "reason": short_reason(job.error) if job.status == FAILED else None,
+            "plugins": json.loads(job.plugins) if job.plugins else {}}
 
 
 def short_reason(error: str | None, width: int = 60) -> str | None:
@@ -121,6 +123,7 @@ def show_job(engine: Engine, job_id: int) -> dict[str, Any]:
                                    .order_by(JobAttempt.number)).all()
     row = _row(job)
     row["attempts_detail"] = [{"number": a.number, "worker": a.worker, "status": a.status,
+                               "plugins": json.loads(a.plugins) if a.plugins else {},
                                "started_at": a.started_at.isoformat() if a.started_at else None,
                                "finished_at": a.finished_at.isoformat() if a.finished_at else None,
                                "exit_code": a.exit_code, "run_id": a.run_id, "error": a.error} for a in attempts]
@@ -247,6 +250,7 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
     """Run a claimed job in a child process with heartbeats and cancel checks; its final status."""
     spec = json.loads(job.spec)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or (spec.get("tracking") or {}).get("uri") or DEFAULT_TRACKING_URI
+    _record_plugins(engine, job, worker, spec)
     with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
         spec_file, result_file = Path(tmp) / f"job-{job.id}.yaml", Path(tmp) / "result.json"
         spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -310,6 +314,31 @@ def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def plugin_versions(spec: dict[str, Any]) -> dict[str, str]:
+    """{distribution: version} of the installed plugins registering a name a resolved spec uses (its stages'
+    algorithms, its model, its dataset source); a spec without one of them (the job's child refuses it) has none."""
+    named = {"fedpilot.algorithms": [_at(stage, "algorithm") for stage in _at(spec, "stages") or []],
+             "fedpilot.models": [_at(spec, "model", "name")], "fedpilot.sources": [_at(spec, "dataset", "source", "kind")]}
+    return {dist: version for group, names in named.items()
+            for dist, version in plugin_distributions(group, [n for n in names if isinstance(n, str)]).items()}
+
+
+def _at(value: Any, *keys: str) -> Any:
+    """value[keys[0]][keys[1]]..., or None where there is no such key."""
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _record_plugins(engine: Engine, job: Job, worker: str, spec: dict[str, Any]) -> None:
+    """The plugin distributions and versions this attempt runs with (its child runs in this environment)."""
+    plugins = json.dumps(plugin_versions(spec), sort_keys=True)
+    with session_factory(engine).begin() as session:
+        session.execute(update(Job).where(Job.id == job.id, Job.worker == worker).values(plugins=plugins))
+        session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts)
+                        .values(plugins=plugins))
 
 
 def default_worker_name() -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedpilot.errors import SpecError
+from fedpilot.registry import Registry
 
 
 class Net(nn.Module):
@@ -218,21 +219,42 @@ def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: 
     return Net(PooledEncoder(trunk, pad_id), nn.Linear(d_model, num_classes), presets=presets)
 
 
-MODELS = {"logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet18, "transformer": transformer,
-          "char_lstm": char_lstm, "text_classifier": text_classifier}
+def model_problem(name: str, component: Any) -> str | None:
+    """What keeps a plugin's `component` from being a model, or None: a plugin model is a Net subclass built as
+    `Model(input_shape, num_classes, **options)` (its options are the keyword arguments after those two)."""
+    if not (isinstance(component, type) and issubclass(component, Net)):
+        return "is not a subclass of fedpilot.api.Net (a model is head(body(x)))"
+    if len(inspect.signature(component).parameters) < 2:
+        return "does not take (input_shape, num_classes, **options)"
+    return None
+
+
+MODELS = Registry("model", {name: f"{__name__}:{name}" for name in (
+    "logreg", "mlp", "cnn", "resnet18", "transformer", "char_lstm", "text_classifier")},
+    group="fedpilot.models", check=model_problem, key="model.name")
 TOKEN_OPTIONS = ("vocab_size", "pad_id")  # what a model of token ids takes from the data when not set
+
+
+def _options(name: str) -> dict[str, inspect.Parameter]:
+    """The options of model `name`: its builder's parameters after (input_shape, num_classes)."""
+    return dict(list(inspect.signature(MODELS[name]).parameters.items())[2:])
+
+
+def option_types(name: str) -> dict[str, Any]:
+    """Each option of model `name` and its type (Any where the builder does not annotate it)."""
+    builder = MODELS[name]
+    hints = get_type_hints(builder.__init__ if isinstance(builder, type) else builder)
+    return {key: hints.get(key, Any) for key in _options(name)}
 
 
 def takes_tokens(name: str) -> bool:
     """Whether the model `name` reads token ids (it has a vocabulary)."""
-    return "vocab_size" in inspect.signature(MODELS[name]).parameters
+    return "vocab_size" in _options(name)
 
 
 def check_model(name: str, options: dict[str, Any]) -> None:
     """A SpecError unless `name` is a registered model and every option is one of its keyword arguments."""
-    if name not in MODELS:
-        raise SpecError("model.name", name, "unknown model", allowed=list(MODELS))
-    allowed = list(inspect.signature(MODELS[name]).parameters)[2:]
+    allowed = list(_options(name))
     for key, value in options.items():
         if key not in allowed:
             raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
@@ -243,8 +265,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, token
     """The registered model `name` for inputs of `input_shape` and `num_classes` outputs; `tokens` ({vocab_size,
     pad_id}) fills a token model's options the pipeline does not set."""
     check_model(name, options)
-    accepted = inspect.signature(MODELS[name]).parameters
-    filled = {k: v for k, v in (tokens or {}).items() if k in accepted and options.get(k) is None}
+    filled = {k: v for k, v in (tokens or {}).items() if k in _options(name) and options.get(k) is None}
     return MODELS[name](tuple(input_shape), num_classes, **{**options, **filled})
 
 

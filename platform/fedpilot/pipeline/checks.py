@@ -76,16 +76,20 @@ def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
     """The pipeline's model for this data (seeded): its outputs and, for token inputs, its vocabulary."""
     name, tokens = spec.model.name, data.specials is not None
     if tokens != takes_tokens(name):
-        reads = [m for m in MODELS if takes_tokens(m) == tokens]
+        reads = [m for m in MODELS.loadable() if takes_tokens(m) == tokens]
         what = "token ids (a tokenized text column)" if tokens else f"inputs of shape {data.feature_shape}"
         raise SpecError("model.name", name, f"does not read this dataset's {what}", allowed=reads)
     vocab = {"vocab_size": data.vocab_size, "pad_id": data.specials["pad"]} if tokens else None
     torch.manual_seed(spec.seed)
+    plugin = name not in MODELS.builtins  # a plugin's failure to build is its own: whatever it raises, named
     try:
         return build_model(name, data.feature_shape, data.num_classes, vocab, **spec.model.options)
-    except (RuntimeError, ValueError, TypeError) as err:  # a builder refusing its options (e.g. a negative size)
+    except Exception as err:
+        if not (plugin or isinstance(err, RuntimeError | ValueError | TypeError)):  # a builder refusing its options
+            raise
         problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecError("model", spec.model.model_dump(), f"cannot be built: {problem}") from None
+        where = f" (the {MODELS.origin(name)})" if plugin else ""
+        raise SpecError("model", spec.model.model_dump(), f"cannot be built{where}: {problem}") from None
 
 
 def prepare(spec: PipelineSpec, root: Path) -> Prepared:

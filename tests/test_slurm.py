@@ -85,3 +85,113 @@ def test_a_submitted_pipeline_runs_on_slurm_and_its_mlflow_record_is_read_back(s
     assert "run_id: " + row["run_id"] in log_of(db, job_id)  # the job's Slurm log holds the run's output
     code, output = cli("jobs", "--db", db)
     assert code == 0 and row["slurm_job_id"] in output and "slurm_state" in output.splitlines()[0], output
+
+
+def test_a_search_over_a_two_task_job_array_finishes_exactly_the_trials(slurm, workdir):
+    db = f"sqlite:///{workdir}/platform.db"
+    ids = sent("search", str(write_pipeline(workdir, SEARCH, "search.yaml")), "--to", "slurm", "--parallel", "2",
+               "--trials", "3", "--storage", db)
+    assert len(ids) == 2
+    rows = ended(db, ids)
+    assert [rows[i]["status"] for i in ids] == ["succeeded"] * 2, [log_of(db, i) for i in ids]
+    array = {rows[i]["slurm_job_id"] for i in ids}
+    assert len({s.split("_")[0] for s in array}) == 1 and {s.split("_")[1] for s in array} == {"0", "1"}
+    study = optuna.load_study(study_name="tiny", storage=db)
+    states = [t.state for t in study.get_trials()]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3 and len(states) == 3, states
+    assert rows[ids[0]]["run_id"] == rows[ids[1]]["run_id"]  # one search run for the study, both workers in it
+
+
+def test_scontrol_requeue_resumes_the_job_identical_to_an_uninterrupted_run(slurm, workdir, monkeypatch):
+    db = f"sqlite:///{workdir}/platform.db"
+    [job_id] = sent("submit", str(write_pipeline(workdir, LONG, "long.yaml")), "--to", "slurm", "--db", db)
+    client = MlflowClient()
+
+    def training_stage_1() -> bool:
+        row = jobs(db)[job_id]
+        if not row["run_id"]:
+            return False
+        runs = runs_of(client, row["run_id"])
+        return len(runs) > 2 and len(client.get_metric_history(runs[2].info.run_id, "round_time_s")) >= 3
+
+    wait_for(training_stage_1, what="the job to train its second stage", every=0.2)
+    slurm_id = jobs(db)[job_id]["slurm_job_id"]
+    subprocess.run(["scontrol", "requeue", slurm_id], check=True)
+    # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start now.
+    wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
+    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
+    row = ended(db, [job_id])[job_id]
+    assert row["status"] == "succeeded", log_of(db, job_id)
+    code, output = cli("jobs", "show", str(job_id), "--db", db, "--json")
+    attempts = json.loads(output)["attempts_detail"]
+    assert [a["status"] for a in attempts] == ["stopped", "succeeded"], attempts
+    assert attempts[0]["run_id"] == attempts[1]["run_id"] == row["run_id"]
+    assert "SIGTERM" in attempts[0]["error"]
+    runs = runs_of(client, row["run_id"])
+    assert [r.info.status for r in runs] == ["FINISHED"] * 4
+    assert_each_step_once(client, runs)
+    steps = [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")]
+    assert steps == list(range(1, 151))
+    monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "fresh-cache"))
+    code, output = cli("run", str(write_pipeline(workdir, LONG, "long.yaml")), "--no-progress")
+    assert code == 0, output
+    clean = runs_of(client, output.strip().splitlines()[-1].split(": ")[1])
+    for a, b in zip(runs[1:], clean[1:], strict=True):
+        for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted"):
+            assert a.data.metrics[key] == b.data.metrics[key], (a.info.run_name, key)  # bit-identical
+
+
+def test_fedpilot_cancel_ends_a_slurm_job(slurm, workdir):
+    db = f"sqlite:///{workdir}/platform.db"
+    [job_id] = sent("submit", str(write_pipeline(workdir, LONG, "long.yaml")), "--to", "slurm", "--db", db)
+    wait_for(lambda: jobs(db)[job_id]["status"] == "running" and jobs(db)[job_id]["run_id"], what="the job to run")
+    code, output = cli("cancel", str(job_id), "--db", db)
+    assert code == 0 and "scancel" in output, output
+    row = ended(db, [job_id], timeout=120)[job_id]
+    assert row["status"] == "cancelled"
+    wait_for(lambda: squeue(row["slurm_job_id"]) == "CANCELLED", 60, "Slurm to cancel it")
+    client = MlflowClient()
+    assert "RUNNING" not in [r.info.status for r in runs_of(client, row["run_id"])]
+    assert cli("cancel", str(job_id), "--db", db)[0] == 2  # it already ended
+
+
+def test_a_scheduled_search_fires_into_slurm(slurm, workdir):
+    from fedpilot.db import utcnow
+    from fedpilot.jobs.schedule import tick
+
+    db = f"sqlite:///{workdir}/platform.db"
+    code, output = cli("schedule", "add", str(write_pipeline(workdir, SEARCH, "search.yaml")), "--cron",
+                       "* * * * *", "--trials", "1", "--to", "slurm", "--db", db)
+    assert code == 0 and "on Slurm" in output, output
+    [job_id] = tick(connect(db), utcnow() + timedelta(minutes=2))
+    row = jobs(db)[job_id]
+    assert row["backend"] == "slurm" and row["slurm_job_id"], row
+    row = ended(db, [job_id])[job_id]
+    assert row["status"] == "succeeded", log_of(db, job_id)
+    assert len(optuna.load_study(study_name="tiny", storage=db).get_trials()) == 1
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--partition", "nosuch"], "invalid partition"),
+    (["--mem", "999G"], "Memory specification can not be satisfied"),
+    (["--time", "soon"], "--time='soon': not a Slurm time limit"),
+    (["--gpus", "1"], "Invalid generic resource"),  # a GPU on a cluster without any
+    (["--gpus", "0", "+device=cuda"], "asks for `device: cuda`"),
+])
+def test_a_bad_slurm_option_is_exit_2_and_queues_nothing(slurm, workdir, option, message):
+    db = f"sqlite:///{workdir}/platform.db"
+    code, output = cli("submit", str(write_pipeline(workdir, TINY, "tiny.yaml")), "--to", "slurm", "--db", db,
+                       *[o for o in option if not o.startswith("+")], *[o[1:] for o in option if o.startswith("+")])
+    assert code == 2 and message in output, output
+    assert list_jobs(connect(db)) == []
+
+
+def test_an_unreachable_controller_is_exit_2_and_queues_nothing(slurm, workdir, monkeypatch):
+    conf = Path(slurm["SLURM_CONF"])
+    other = workdir / "slurm.conf"
+    other.write_text(re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=9", conf.read_text()))
+    monkeypatch.setenv("SLURM_CONF", str(other))
+    db = f"sqlite:///{workdir}/platform.db"
+    code, output = cli("submit", str(write_pipeline(workdir, TINY, "tiny.yaml")), "--to", "slurm", "--db", db)
+    assert code == 2 and "Unable to contact slurm controller" in output, output
+    assert list_jobs(connect(db)) == []

@@ -91,7 +91,8 @@ def _checked(values: dict[str, Any], key_of: Any, model: bool = False) -> Any:
         checked = SlurmSpec.model_validate(values)
     except ValidationError as err:
         found = from_validation(err, SlurmSpec)
-        raise SpecError(key_of(found.key), found.value, found.problem, found.allowed) from None
+        problem = found.problem.removeprefix("Value error, ")
+        raise SpecError(key_of(found.key), found.value, problem, found.allowed) from None
     return checked if model else checked.model_dump(include=set(values))
 
 

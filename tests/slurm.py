@@ -10,6 +10,7 @@ skip on a developer machine and fail on CI (CI=true); `.ci/run` installs them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -73,10 +74,8 @@ def _stop(pid: int) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="session")

@@ -102,9 +102,14 @@ def test_a_search_over_a_two_task_job_array_finishes_exactly_the_trials(slurm, w
     assert rows[ids[0]]["run_id"] == rows[ids[1]]["run_id"]  # one search run for the study, both workers in it
 
 
-def test_scontrol_requeue_resumes_the_job_identical_to_an_uninterrupted_run(slurm, workdir, monkeypatch):
+@pytest.mark.parametrize("interruption", ["scontrol requeue", "time limit"])
+def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir, monkeypatch, interruption):
+    """`scontrol requeue` (what preemption does too): SIGTERM, the run stops after its round with a checkpoint and
+    Slurm requeues the job. The time limit: Slurm's SIGUSR2 shortly before it (sent here by scancel --signal), the
+    run stops the same way and the job requeues itself. Either way it resumes in its own MLflow runs."""
     db = f"sqlite:///{workdir}/platform.db"
-    [job_id] = sent("submit", str(write_pipeline(workdir, LONG, "long.yaml")), "--to", "slurm", "--db", db)
+    [job_id] = sent("submit", str(write_pipeline(workdir, LONG, "long.yaml")), "--to", "slurm", "--time", "30",
+                    "--db", db)
     client = MlflowClient()
 
     def training_stage_1() -> bool:
@@ -116,7 +121,10 @@ def test_scontrol_requeue_resumes_the_job_identical_to_an_uninterrupted_run(slur
 
     wait_for(training_stage_1, what="the job to train its second stage", every=0.2)
     slurm_id = jobs(db)[job_id]["slurm_job_id"]
-    subprocess.run(["scontrol", "requeue", slurm_id], check=True)
+    if interruption == "time limit":
+        subprocess.run(["scancel", "--signal=USR2", slurm_id], check=True)
+    else:
+        subprocess.run(["scontrol", "requeue", slurm_id], check=True)
     # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start now.
     wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
     subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
@@ -126,7 +134,7 @@ def test_scontrol_requeue_resumes_the_job_identical_to_an_uninterrupted_run(slur
     attempts = json.loads(output)["attempts_detail"]
     assert [a["status"] for a in attempts] == ["stopped", "succeeded"], attempts
     assert attempts[0]["run_id"] == attempts[1]["run_id"] == row["run_id"]
-    assert "SIGTERM" in attempts[0]["error"]
+    assert ("SIGUSR2" if interruption == "time limit" else "SIGTERM") in attempts[0]["error"]
     runs = runs_of(client, row["run_id"])
     assert [r.info.status for r in runs] == ["FINISHED"] * 4
     assert_each_step_once(client, runs)
@@ -195,3 +203,29 @@ def test_an_unreachable_controller_is_exit_2_and_queues_nothing(slurm, workdir, 
     code, output = cli("submit", str(write_pipeline(workdir, TINY, "tiny.yaml")), "--to", "slurm", "--db", db)
     assert code == 2 and "Unable to contact slurm controller" in output, output
     assert list_jobs(connect(db)) == []
+
+
+def test_one_experiment_over_two_slurm_tasks_records_once_and_equals_one_process(slurm, workdir):
+    """`devices: 2` on a CPU-only cluster: srun starts two tasks, each a rank of Lightning's SLURM environment."""
+    from fedpilot.pipeline import PipelineRunner
+    from fedpilot.spec import load_pipeline
+
+    path = write_pipeline(workdir, {**TINY, "device": "cpu", "devices": 2}, "ddp.yaml")
+    db = f"sqlite:///{workdir}/platform.db"
+    [job_id] = sent("submit", str(path), "--to", "slurm", "--db", db)
+    row = ended(db, [job_id])[job_id]
+    assert row["status"] == "succeeded", log_of(db, job_id)
+    client = MlflowClient()
+    runs = runs_of(client, row["run_id"])
+    assert len(runs) == 2 and runs[0].data.params["devices"] == "2"  # rank 0 alone recorded
+    single = PipelineRunner(load_pipeline(path, ["devices=1"]), cache_dir=workdir / "one", progress=False).run()
+    for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted"):
+        assert runs[1].data.metrics[key] == pytest.approx(single.stages[0].metrics[key], abs=1e-6), key
+
+
+def test_queue_workers_leave_slurm_jobs_alone(tmp_path):
+    from fedpilot.jobs.queue import claim, idle, submit
+
+    engine = connect(f"sqlite:///{tmp_path}/platform.db")
+    submit(engine, {"kind": "run", "pipeline": "tiny", "spec": "{}", "backend": "slurm"})
+    assert claim(engine, "worker") is None and idle(engine, 60)

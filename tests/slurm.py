@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
 
 
 def _free_port() -> int:

@@ -231,6 +231,9 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     from fedpilot.names import check_name
 
     try:
+        if to is None:
+            raise SpecError("--parallel", parallel, "starts trial workers elsewhere: add --to slurm (a job array) "
+                            "or --to queue (jobs for fedpilot workers)")
         target = where(to, "queue")
         fields = job_fields(pipeline, overrides or [], True, trials, here=target != "slurm")
         if study is not None:

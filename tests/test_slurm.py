@@ -229,3 +229,35 @@ def test_queue_workers_leave_slurm_jobs_alone(tmp_path):
     engine = connect(f"sqlite:///{tmp_path}/platform.db")
     submit(engine, {"kind": "run", "pipeline": "tiny", "spec": "{}", "backend": "slurm"})
     assert claim(engine, "worker") is None and idle(engine, 60)
+
+
+def test_slurm_options_come_from_the_environment_then_the_pipeline_then_the_flags(monkeypatch):
+    from fedpilot.errors import SpecError
+    from fedpilot.jobs.slurm import options, parameters
+
+    monkeypatch.setenv("FEDPILOT_SLURM", "partition=cpu account=lab time=1:00:00 qos=low")
+    chosen = options({"partition": "gpu", "time": "2-00:00:00", "setup": ["module load cuda"]},
+                     {"time": "90", "mem": "16G", "gpus": None})
+    assert (chosen.partition, chosen.account, chosen.qos, chosen.time, chosen.mem) == ("gpu", "lab", "low", "90",
+                                                                                       "16G")
+    params = parameters({"devices": 2, "nodes": 3, "device": "auto"}, chosen, "fedpilot-x")
+    assert params["time"] == 90 and params["gpus_per_node"] == 2 and params["ntasks_per_node"] == 2
+    assert params["nodes"] == 3 and params["setup"] == ["module load cuda"] and params["mem"] == "16G"
+    assert parameters({"device": "cpu"}, options(None, {}), "x")["gpus_per_node"] is None  # no GPUs asked
+    for env, flags, key in [("partition=a b=1", {}, "FEDPILOT_SLURM"), ("mem=lots", {}, "FEDPILOT_SLURM.mem"),
+                            ("", {"time": "1:2:3:4"}, "--time"), ("", {"gpus": -1}, "--gpus")]:
+        monkeypatch.setenv("FEDPILOT_SLURM", env)
+        with pytest.raises(SpecError) as err:
+            options(None, flags)
+        assert err.value.key == key, err.value
+    with pytest.raises(SpecError, match="one per GPU"):
+        parameters({"devices": 4}, options(None, {"gpus": 2}), "x")
+
+
+def test_a_pipelines_slurm_block_is_validated_and_nodes_need_slurm(workdir):
+    path = write_pipeline(workdir, {**TINY, "slurm": {"time": "1-00:00:00", "gpus": 0}}, "tiny.yaml")
+    assert cli("validate", str(path))[0] == 0
+    code, output = cli("validate", str(path), "slurm.mem=much")
+    assert code == 2 and "slurm.mem" in output, output
+    code, output = cli("run", str(path), "nodes=2")
+    assert code == 2 and "nodes" in output and "--to slurm" in output, output

@@ -310,10 +310,10 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def _read_from(path: Path, offset: int) -> str:
-    """What was appended to `path` after byte `offset` (a job's share of a log it appends to)."""
+def _read_from(path: Path, offset: int, most: int = 16 * TAIL_CHARS) -> str:
+    """The end (at most `most` bytes) of what was appended to `path` after byte `offset` (a job's share of a log)."""
     with path.open("rb") as f:
-        f.seek(offset)
+        f.seek(max(offset, path.stat().st_size - most))
         return f.read().decode(errors="replace")
 
 

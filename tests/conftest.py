@@ -1,9 +1,10 @@
-"""Shared fixtures: a working directory with its own stores, and real database servers (tests/postgres.py)."""
+"""Shared fixtures: a working directory with its own stores, real database servers (tests/postgres.py) and a real
+Slurm cluster (tests/slurm.py)."""
 
 import mlflow
 import pytest
 
-pytest_plugins = ["postgres"]
+pytest_plugins = ["postgres", "slurm"]
 
 
 @pytest.fixture

@@ -10,10 +10,18 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli_common import (
+    Account,
     CacheDir,
+    Cpus,
+    Gpus,
+    Mem,
     Overrides,
+    Parallel,
+    Partition,
     Pipeline,
+    Qos,
     ResultFile,
+    Time,
     checked,
     fail,
     print_json,
@@ -172,8 +180,14 @@ def search(
     heartbeat_seconds: Annotated[int, typer.Option(min=1, help="Trial heartbeat; a trial silent for 3 heartbeats "
                                                               "is failed and retried.")] = 10,
     result_file: ResultFile = None,
+    to: Annotated[str | None, typer.Option("--to", help="Run the trials elsewhere instead of in this process: "
+                                                        "`slurm` (a job array) or `queue` (fedpilot workers).")] = None,
+    parallel: Parallel = 1,
+    partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
+    account: Account = None, qos: Qos = None,
 ) -> None:
-    """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id."""
+    """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
+    `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
     from fedpilot.names import check_name
     from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.settings import cache_root, platform_db_url
@@ -182,6 +196,11 @@ def search(
 
     quiet_lightning()
     quiet_optuna()
+    if to is not None or parallel > 1:
+        _search_elsewhere(pipeline, overrides, trials, storage, study, to, parallel,
+                          {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time,
+                           "account": account, "qos": qos})
+        return
     try:
         if trials is not None and trials < 1:
             raise SpecError("--trials", trials, "must be at least 1")
@@ -204,6 +223,29 @@ def search(
                f"{'/'.join(o.metric for o in spec.search.objective)} = {best} with {result.best_params}; "
                f"{result.rounds_trained} rounds trained by this process")
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int | None, storage: str | None,
+                      study: str | None, to: str | None, parallel: int, flags: dict) -> None:
+    """`fedpilot search --to slurm|queue`: the search as `parallel` jobs on one study (a Slurm job array, or queued
+    for fedpilot workers); prints their job ids."""
+    from fedpilot.cli_common import where
+    from fedpilot.jobs.cli import send
+    from fedpilot.jobs.queue import prepare as job_fields
+    from fedpilot.names import check_name
+
+    try:
+        if to is None:
+            raise SpecError("--parallel", parallel, "starts trial workers elsewhere: add --to slurm (a job array) "
+                            "or --to queue (jobs for fedpilot workers)")
+        target = where(to, "queue")
+        fields = job_fields(pipeline, overrides or [], True, trials, here=target != "slurm")
+        if study is not None:
+            fields["study"] = check_name("--study", study)
+        ids = send(fields, target, flags, parallel, storage)
+    except SpecError as err:
+        fail(err)
+    typer.echo(" ".join(map(str, ids)))
 
 
 @app.command()

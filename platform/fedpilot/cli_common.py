@@ -28,6 +28,32 @@ Db = Annotated[str | None, typer.Option("--db", help="Platform database URL (def
                                                      "sqlite:///fedpilot.db in the working directory).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
 
+# Where a job runs (`--to`) and the Slurm options of one submitted there; defaults come from the pipeline's `slurm:`
+# block, under it from $FEDPILOT_SLURM ("partition=gpu gpus=1 time=4:00:00").
+SLURM_PANEL = "Slurm, with --to slurm (defaults: slurm: block, $FEDPILOT_SLURM)"
+To = Annotated[str | None, typer.Option("--to", help="Where the job runs: `queue` (fedpilot workers) or `slurm` "
+                                                     "(the cluster's scheduler, through submitit).")]
+Partition = Annotated[str | None, typer.Option(help="Partition.", rich_help_panel=SLURM_PANEL)]
+Gpus = Annotated[int | None, typer.Option(help="GPUs per node (default `devices`; 0 on a CPU-only cluster).",
+                                          rich_help_panel=SLURM_PANEL)]
+Cpus = Annotated[int | None, typer.Option(help="CPUs per task.", rich_help_panel=SLURM_PANEL)]
+Mem = Annotated[str | None, typer.Option(help="Memory per node, e.g. 16G.", rich_help_panel=SLURM_PANEL)]
+Time = Annotated[str | None, typer.Option(help="Time limit, MINUTES or [D-]HH:MM:SS (the run stops with a "
+                                               "checkpoint shortly before it and is requeued).",
+                                          rich_help_panel=SLURM_PANEL)]
+Account = Annotated[str | None, typer.Option(help="Account charged.", rich_help_panel=SLURM_PANEL)]
+Qos = Annotated[str | None, typer.Option(help="Quality of service.", rich_help_panel=SLURM_PANEL)]
+Parallel = Annotated[int, typer.Option(min=1, help="Search trial workers started at once on one study (a Slurm "
+                                                   "job array with --to slurm, else that many queued jobs).")]
+
+
+def where(to: str | None, default: str) -> str:
+    """`--to`'s value checked (default `default`)."""
+    chosen = to or default
+    if chosen not in ("queue", "slurm"):
+        raise SpecError("--to", chosen, "not a place jobs run", allowed=["queue", "slurm"])
+    return chosen
+
 
 def fail(err: SpecError) -> NoReturn:
     """Print a user error and exit with code 2."""

@@ -1,4 +1,5 @@
 """The platform database: jobs and their attempts, schedules and their firings, study leases (`fedpilot_*` tables).
+A job runs on this queue's workers, or as a Slurm job (`backend`), which updates its row itself.
 
 Optuna keeps its studies in the same database and owns its `alembic_version` table, so these tables are
 created with `metadata.create_all` (no migrations). All timestamps are UTC.
@@ -36,6 +37,7 @@ from fedpilot.errors import SpecError
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 LOST = "lost"  # an attempt whose worker stopped sending heartbeats
+STOPPED = "stopped"  # an attempt stopped by a signal with a checkpoint (a Slurm job preempted or requeued)
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 
 
@@ -137,6 +139,10 @@ class Job(Base):
     stdout_tail: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed, in a line or a few
+    backend: Mapped[str | None] = mapped_column(String(16))  # None: this queue's workers; "slurm": a Slurm job
+    slurm: Mapped[str | None] = mapped_column(Text)  # the Slurm options it was submitted with (JSON)
+    slurm_job_id: Mapped[str | None] = mapped_column(String(64))  # 1234, or 1234_0 for a task of an array
+    slurm_log: Mapped[str | None] = mapped_column(Text)  # the Slurm job's stdout file (stderr: .err beside it)
 
 
 class JobAttempt(Base):
@@ -173,6 +179,8 @@ class Schedule(Base):
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     active_since: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    backend: Mapped[str | None] = mapped_column(String(16))  # where its firings' jobs run (None: the queue)
+    slurm: Mapped[str | None] = mapped_column(Text)  # Slurm options and `parallel` of its firings' jobs (JSON)
 
 
 class Firing(Base):

@@ -155,8 +155,8 @@ class Search:
                  echo: Callable[[str], None] = print):
         if spec.search is None:
             raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
-        if spec.devices > 1:
-            raise SpecError("devices", spec.devices, "a search trains its trials in this process: set devices: 1 "
+        if spec.devices > 1 or spec.nodes > 1:
+            raise SpecError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes), "a search trains its trials in this process: set devices: 1 "
                             "(start more workers for trials in parallel)")
         self.spec, self.search, self.cache_dir, self.echo = spec, spec.search, cache_dir, echo
         self.trials = trials or self.search.trials

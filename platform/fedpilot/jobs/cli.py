@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
 
-from fedpilot.cli_common import AsJson, Db, Overrides, Pipeline, fail, print_json
+from fedpilot.cli_common import (
+    Account,
+    AsJson,
+    Cpus,
+    Db,
+    Gpus,
+    Mem,
+    Overrides,
+    Parallel,
+    Partition,
+    Pipeline,
+    Qos,
+    Time,
+    To,
+    fail,
+    print_json,
+    where,
+)
 from fedpilot.errors import SpecError
 
 schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
@@ -29,10 +47,34 @@ def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
     if not rows:
         typer.echo("(none)")
         return
-    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    cells = [[("" if row.get(c) is None else str(row[c])) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     for line in [columns, *cells]:
         typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def send(fields: dict, to: str, flags: dict, parallel: int, db: str | None) -> list[int]:
+    """Queue a validated job (jobs.queue.prepare) `parallel` times, on this queue or as a Slurm job (an array when
+    `parallel` > 1) with the Slurm options `flags`; the job ids (Slurm's ids are told on stderr)."""
+    from fedpilot.jobs.queue import submit as queue
+    from fedpilot.settings import platform_db_url
+
+    url = platform_db_url(db)
+    if parallel > 1 and fields["kind"] != "search":
+        raise SpecError("--parallel", parallel, "only a search runs in parallel (trial workers of one study)")
+    if to == "slurm":
+        from fedpilot.jobs.slurm import absolute_db, enqueue, options
+
+        slurm = options(json.loads(fields["spec"]).get("slurm"), flags)
+        sent = enqueue(_engine(url), absolute_db(url), fields, slurm, parallel)
+        for job_id, slurm_id in sent:
+            typer.echo(f"job {job_id}: Slurm job {slurm_id}", err=True)
+        return [job_id for job_id, _ in sent]
+    given = [f"--{k}" for k, v in flags.items() if v is not None]
+    if given:
+        raise SpecError(given[0], flags[given[0][2:]], "a Slurm option: add --to slurm")
+    engine = _engine(url)
+    return [queue(engine, fields) for _ in range(parallel)]
 
 
 def submit(
@@ -43,17 +85,24 @@ def submit(
     trials: Annotated[int | None, typer.Option(help="Total finished trials the search job reaches "
                                                            "(default: the search block's `trials`).")] = None,
     db: Db = None,
+    to: To = None,
+    parallel: Parallel = 1,
+    partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
+    account: Account = None, qos: Qos = None,
 ) -> None:
-    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id."""
+    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id. With `--to
+    slurm` the job is submitted to Slurm (sbatch through submitit) and runs there."""
     from fedpilot.jobs.queue import prepare
-    from fedpilot.jobs.queue import submit as queue
 
+    flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
+             "qos": qos}
     try:
-        fields = prepare(pipeline, overrides or [], search, trials)
-        job_id = queue(_engine(db), fields)
+        target = where(to, "queue")
+        fields = prepare(pipeline, overrides or [], search, trials, here=target != "slurm")
+        ids = send(fields, target, flags, parallel, db)
     except SpecError as err:
         fail(err)
-    typer.echo(job_id)
+    typer.echo(" ".join(map(str, ids)))
 
 
 jobs_app = typer.Typer(help="The job queue: `fedpilot jobs` lists it, `fedpilot jobs show ID` tells one job's story.",
@@ -69,10 +118,16 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
     from fedpilot.jobs.queue import list_jobs
 
     try:
-        rows = list_jobs(_engine(db))
+        engine = _engine(db)
+        rows = list_jobs(engine)
     except SpecError as err:
         fail(err)
-    _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", "created_at",
+    slurm = [c for c in ("slurm_job_id", "slurm_state", "node") if any(r["backend"] == "slurm" for r in rows)]
+    if slurm:
+        from fedpilot.jobs.slurm import refresh
+
+        refresh(engine, rows)
+    _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", *slurm, "created_at",
                                 "started_at", "finished_at", "mlflow", "reason"])
 
 
@@ -83,23 +138,30 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
     from fedpilot.jobs.queue import show_job
 
     try:
-        row = show_job(_engine(db), job_id)
+        engine = _engine(db)
+        row = show_job(engine, job_id)
     except SpecError as err:
         fail(err)
+    if row["backend"] == "slurm":
+        from fedpilot.jobs.slurm import log_tails, refresh
+
+        refresh(engine, [row])
+        row.update(log_tails(row["slurm_log"]))
     if as_json:
         print_json(row)
         return
-    for key in ("id", "kind", "pipeline", "status", "attempts", "worker", "created_at", "started_at", "finished_at",
-                "trials", "study", "exit_code", "mlflow"):
-        if row[key] is not None:
+    for key in ("id", "kind", "pipeline", "status", "attempts", "worker", "slurm_job_id", "slurm_state", "node",
+                "created_at", "started_at", "finished_at", "trials", "study", "exit_code", "mlflow", "slurm_log"):
+        if row.get(key) is not None:
             typer.echo(f"{key + ':':<13}{row[key]}")
     if row["error"]:
         typer.echo(f"{'error:':<13}{row['error']}")
     typer.echo("\nattempts")
     _print_rows(row["attempts_detail"], False, ["number", "worker", "status", "started_at", "finished_at",
                                                  "exit_code", "run_id", "error"])
-    for stream in ("stdout_tail", "stderr_tail"):
-        if row[stream]:
+    streams = ("log", "log_err") if row.get("log") is not None or row.get("log_err") is not None else ()
+    for stream in streams or ("stdout_tail", "stderr_tail"):
+        if row.get(stream):
             typer.echo(f"\n{stream.replace('_tail', '')} (last {len(row[stream])} characters)\n{row[stream].rstrip()}")
 
 
@@ -152,7 +214,7 @@ def scheduler(
         engine = _engine(db)
     except SpecError as err:
         fail(err)
-    queued = serve(engine, once=once, poll_seconds=poll_seconds)
+    queued = serve(engine, once=once, poll_seconds=poll_seconds)  # a schedule --to slurm submits to Slurm
     typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
 
 
@@ -165,21 +227,38 @@ def schedule_add(
     name: Annotated[str | None, typer.Option(help="Schedule name, also its Optuna study (default: the "
                                                   "pipeline's search.study).")] = None,
     db: Db = None,
+    to: To = None,
+    parallel: Parallel = 1,
+    partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
+    account: Account = None, qos: Qos = None,
 ) -> None:
-    """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials."""
+    """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials. With `--to
+    slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
     from fedpilot.jobs.schedule import plan, store
     from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.settings import cache_root
 
     quiet_lightning()
+    flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
+             "qos": qos}
     try:
+        target = where(to, "queue")
+        if target != "slurm" and (any(v is not None for v in flags.values()) or parallel > 1):
+            raise SpecError("--to", target, "Slurm options and --parallel need --to slurm")
         schedule, spec = plan(pipeline, overrides or [], cron, trials, name)
-        prepare(spec, cache_root())  # every check a firing's search would make, before the schedule is stored
+        if target == "slurm":
+            from fedpilot.jobs.slurm import options, parameters
+
+            chosen = options(spec.resolved().get("slurm"), flags)
+            parameters(spec.resolved(), chosen, spec.name)  # GPUs against devices, before anything is stored
+            schedule.backend, schedule.slurm = "slurm", json.dumps({**chosen.model_dump(exclude_defaults=True),
+                                                                    "parallel": parallel})
+        prepare(spec, cache_root(), here=target != "slurm")  # every check a firing's search makes, before storing
         store(_engine(db), schedule)
     except SpecError as err:
         fail(err)
     typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC), +{schedule.trials} trials to study "
-               f"{schedule.study}")
+               f"{schedule.study}{' on Slurm' if schedule.backend else ''}")
 
 
 @schedule_app.command("list")
@@ -191,7 +270,8 @@ def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
         rows = list_schedules(_engine(db))
     except SpecError as err:
         fail(err)
-    _print_rows(rows, as_json, ["name", "pipeline", "cron", "trials", "study", "paused", "firings", "next_fire_time"])
+    _print_rows(rows, as_json, ["name", "pipeline", "cron", "trials", "study", "to", "paused", "firings",
+                                "next_fire_time"])
 
 
 def _change(name: str, db: str | None, action: str) -> None:

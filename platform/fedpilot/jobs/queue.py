@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from fedpilot.db import (
     LOST,
     QUEUED,
     RUNNING,
+    STOPPED,
     SUCCEEDED,
     Job,
     JobAttempt,
@@ -42,9 +44,10 @@ TAIL_CHARS = 4000
 PR_SET_PDEATHSIG = 1
 
 
-def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) -> dict[str, Any]:
+def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, here: bool = True) -> dict[str, Any]:
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
-    check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere)."""
+    check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere). With
+    `here` off (a Slurm job) the devices it asks for need not exist on this machine."""
     from fedpilot.cli_common import checked
     from fedpilot.pipeline import prepare as check
     from fedpilot.settings import cache_root
@@ -53,7 +56,7 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None) 
     if trials is not None and trials < 1:
         raise SpecError("--trials", trials, "must be at least 1")
     spec = load_pipeline(path, overrides)
-    checked(lambda: check(spec, cache_root()))
+    checked(lambda: check(spec, cache_root(), here))
     resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:
@@ -98,6 +101,7 @@ def _row(job: Job) -> dict[str, Any]:
     stamp = {k: (getattr(job, k).isoformat() if getattr(job, k) else None)
              for k in ("created_at", "started_at", "finished_at")}
     return {"id": job.id, "kind": job.kind, "pipeline": job.pipeline, "status": job.status,
+            "backend": job.backend or "queue", "slurm_job_id": job.slurm_job_id,
             "cancel_requested": job.cancel_requested, "attempts": job.attempts, "worker": job.worker,
             **stamp, "trials": job.trials, "study": job.study, "exit_code": job.exit_code, "run_id": job.run_id,
             "tracking_uri": job.tracking_uri, "mlflow": mlflow_link(job.tracking_uri, job.run_id),
@@ -127,7 +131,8 @@ def show_job(engine: Engine, job_id: int) -> dict[str, Any]:
                                "started_at": a.started_at.isoformat() if a.started_at else None,
                                "finished_at": a.finished_at.isoformat() if a.finished_at else None,
                                "exit_code": a.exit_code, "run_id": a.run_id, "error": a.error} for a in attempts]
-    row.update(stdout_tail=job.stdout_tail, stderr_tail=job.stderr_tail)
+    row.update(stdout_tail=job.stdout_tail, stderr_tail=job.stderr_tail, slurm=json.loads(job.slurm or "null"),
+               slurm_log=job.slurm_log)
     return row
 
 
@@ -147,7 +152,20 @@ def mlflow_link(uri: str | None, run_id: str | None) -> str | None:
 
 
 def cancel(engine: Engine, job_id: int) -> str:
-    """Cancel a queued job at once, or ask the worker of a running job to stop it; the resulting status."""
+    """Cancel a queued job at once, or ask the worker of a running job to stop it; the resulting status. A Slurm
+    job is also cancelled in Slurm (scancel)."""
+    with session_factory(engine)() as session:
+        backend = session.scalar(select(Job.backend).where(Job.id == job_id))
+    if backend == "slurm":
+        from fedpilot.jobs.slurm import cancel as cancel_slurm
+
+        return cancel_slurm(engine, job_id)
+    return request_cancel(engine, job_id)
+
+
+def request_cancel(engine: Engine, job_id: int) -> str:
+    """Mark a queued job cancelled, or a running one as asked to stop; the resulting status (a SpecError if the job
+    does not exist or already ended)."""
     with session_factory(engine).begin() as session:
         done = session.execute(update(Job).where(Job.id == job_id, Job.status == QUEUED)
                                .values(status=CANCELLED, finished_at=utcnow()))
@@ -166,7 +184,8 @@ def cancel(engine: Engine, job_id: int) -> str:
 def recover(engine: Engine, grace_seconds: float) -> None:
     """Jobs whose worker stopped heartbeating for `grace_seconds`: the attempt is lost and its MLflow runs KILLED
     (the next attempt resumes them); the job is queued again, or failed after 3 attempts."""
-    stale = and_(Job.status == RUNNING, Job.heartbeat_at < utcnow() - timedelta(seconds=grace_seconds))
+    stale = and_(Job.status == RUNNING, Job.backend.is_(None),
+                 Job.heartbeat_at < utcnow() - timedelta(seconds=grace_seconds))
     lost = "the worker running it stopped sending heartbeats"
     with session_factory(engine).begin() as session:
         jobs = session.scalars(select(Job).where(stale).with_for_update()).all()
@@ -181,10 +200,10 @@ def recover(engine: Engine, grace_seconds: float) -> None:
             else:
                 job.status, job.worker, job.heartbeat_at = QUEUED, None, None
     for uri, run_id in orphans:
-        _close_runs(uri, run_id, lost)
+        close_runs(uri, run_id, lost)
 
 
-def _close_runs(uri: str | None, run_id: str, reason: str) -> None:
+def close_runs(uri: str | None, run_id: str, reason: str) -> None:
     """Mark a dead attempt's MLflow runs KILLED; an unreachable store is reported, not fatal to the worker."""
     from fedpilot.tracking import close_orphans
 
@@ -199,7 +218,8 @@ def claim(engine: Engine, worker: str) -> Job | None:
     lock = engine.dialect.name == "postgresql"
     with session_factory(engine)() as session:
         while True:
-            query = select(Job.id).where(Job.status == QUEUED).order_by(Job.created_at, Job.id).limit(1)
+            query = (select(Job.id).where(Job.status == QUEUED, Job.backend.is_(None))
+                     .order_by(Job.created_at, Job.id).limit(1))
             job_id = session.scalar(query.with_for_update(skip_locked=True) if lock else query)
             if job_id is None:
                 session.rollback()
@@ -221,7 +241,8 @@ def claim(engine: Engine, worker: str) -> Job | None:
 def idle(engine: Engine, grace_seconds: float) -> bool:
     """No job is queued and none is running on a worker that stopped heartbeating."""
     cutoff = utcnow() - timedelta(seconds=grace_seconds)
-    waiting = or_(Job.status == QUEUED, and_(Job.status == RUNNING, Job.heartbeat_at < cutoff))
+    waiting = and_(Job.backend.is_(None),
+                   or_(Job.status == QUEUED, and_(Job.status == RUNNING, Job.heartbeat_at < cutoff)))
     with session_factory(engine)() as session:
         return session.scalar(select(Job.id).where(waiting).limit(1)) is None
 
@@ -246,26 +267,38 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_seconds: float) -> str:
-    """Run a claimed job in a child process with heartbeats and cancel checks; its final status."""
+def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_seconds: float, *,
+            streams: tuple[Path, Path] | None = None, kill_on_cancel: bool = True,
+            started: Callable[[subprocess.Popen], None] = lambda proc: None,
+            ended: Callable[[int], tuple[str, str] | None] = lambda code: None) -> str:
+    """Run a claimed job in a child process with heartbeats and cancel checks; its final status.
+
+    The child's output goes to temporary files, or is appended to `streams` (stdout, stderr: a Slurm job's log);
+    the row keeps its tails either way. With `kill_on_cancel` off a cancel request is left to whoever signals the
+    child (scancel). `started(proc)` sees the child; `ended(exit code)` may name the status and error of an exit
+    (a Slurm job stopped for a requeue is queued again, not failed)."""
     spec = json.loads(job.spec)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or (spec.get("tracking") or {}).get("uri") or DEFAULT_TRACKING_URI
     _record_plugins(engine, job, worker, spec)
     with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
         spec_file, result_file = Path(tmp) / f"job-{job.id}.yaml", Path(tmp) / "result.json"
         spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
-        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        with out_path.open("w") as out, err_path.open("w") as err:
+        out_path, err_path = streams or (Path(tmp) / "stdout", Path(tmp) / "stderr")
+        offsets = [_size(out_path), _size(err_path)]
+        with out_path.open("a") as out, err_path.open("a") as err:
             parent = os.getpid()
             command = child_command(job, spec_file, result_file, db_url, heartbeat_seconds)
             proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=lambda: _die_with_parent(parent))
-            stopped = _watch(engine, job, worker, proc, heartbeat_seconds, result_file, uri)
-        stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+            started(proc)
+            stopped = _watch(engine, job, worker, proc, heartbeat_seconds, result_file, uri, kill_on_cancel)
+        stdout, stderr = (_read_from(path, offset) for path, offset in zip((out_path, err_path), offsets, strict=True))
         result = read_result(result_file)
     status = stopped or (SUCCEEDED if proc.returncode == 0 else FAILED)
     error = None if status == SUCCEEDED else (result.get("error") or _last_line(stderr)
                                               or f"exit code {proc.returncode}")
+    if stopped is None and proc.returncode != 0 and (special := ended(proc.returncode)) is not None:
+        status, error = special
     mine = and_(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
     with session_factory(engine).begin() as session:
         session.execute(update(Job).where(mine).values(
@@ -273,9 +306,20 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
             tracking_uri=uri, stdout_tail=stdout[-TAIL_CHARS:], stderr_tail=stderr[-TAIL_CHARS:], error=error))
         session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts,
                                                  JobAttempt.worker == worker).values(
-            status=status, finished_at=utcnow(), exit_code=proc.returncode, error=error,
+            status=STOPPED if status == QUEUED else status, finished_at=utcnow(), exit_code=proc.returncode, error=error,
             run_id=result.get("run_id") or job.run_id))
     return status
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _read_from(path: Path, offset: int, most: int = 16 * TAIL_CHARS) -> str:
+    """The end (at most `most` bytes) of what was appended to `path` after byte `offset` (a job's share of a log)."""
+    with path.open("rb") as f:
+        f.seek(max(offset, path.stat().st_size - most))
+        return f.read().decode(errors="replace")
 
 
 def _last_line(text: str) -> str | None:
@@ -284,7 +328,7 @@ def _last_line(text: str) -> str | None:
 
 
 def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartbeat_seconds: float,
-           result_file: Path, uri: str) -> str | None:
+           result_file: Path, uri: str, kill_on_cancel: bool = True) -> str | None:
     """Heartbeat until the child exits, recording its MLflow run as soon as it exists (a retry resumes it); kill
     it on a cancel request (-> CANCELLED) or if the job was taken from this worker (-> the status it has now)."""
     recorded = job.run_id
@@ -304,7 +348,7 @@ def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartb
                                                          JobAttempt.number == job.attempts).values(run_id=run_id))
                 recorded = run_id
             cancelled = session.scalar(select(Job.cancel_requested).where(Job.id == job.id))
-        if cancelled or not beat.rowcount:
+        if not beat.rowcount or (cancelled and kill_on_cancel):
             _kill(proc)
             return CANCELLED if cancelled else None
 

@@ -92,6 +92,7 @@ def list_schedules(engine: Engine, now: datetime | None = None) -> list[dict[str
     for s in schedules:
         upcoming = None if s.paused else trigger(s.cron).get_next_fire_time(None, moment)
         rows.append({"name": s.name, "pipeline": s.pipeline, "cron": s.cron, "trials": s.trials, "study": s.study,
+                     "to": s.backend or "queue",
                      "paused": s.paused, "firings": counts.get(s.id, 0),
                      "next_fire_time": upcoming.isoformat() if upcoming else None,
                      "created_at": s.created_at.isoformat()})
@@ -140,15 +141,24 @@ def latest_due(cron: CronTrigger, after: datetime, now: datetime) -> datetime | 
 
 
 def tick(engine: Engine, now: datetime) -> list[int]:
-    """Fire every active schedule that is due at `now` (once, coalescing missed firings); the queued job ids."""
+    """Fire every active schedule that is due at `now` (once, coalescing missed firings); the queued job ids. The
+    jobs of a schedule `--to slurm` are submitted to Slurm at once (a refusal fails them with the reason)."""
     with session_factory(engine)() as session:
         schedules = session.scalars(select(Schedule).where(Schedule.paused.is_(False))).all()
-    return [job_id for s in schedules if (job_id := fire(engine, s, now)) is not None]
+    queued = []
+    for s in schedules:
+        ids = fire(engine, s, now) or []
+        if ids and s.backend == "slurm":
+            from fedpilot.jobs.slurm import dispatch_queued
+
+            dispatch_queued(engine, engine.url.render_as_string(hide_password=False), ids)
+        queued += ids
+    return queued
 
 
-def fire(engine: Engine, schedule: Schedule, now: datetime) -> int | None:
-    """Record the schedule's latest due firing and queue its search job in one transaction; the job id, or
-    None when nothing is due or another scheduler recorded this firing first."""
+def fire(engine: Engine, schedule: Schedule, now: datetime) -> list[int] | None:
+    """Record the schedule's latest due firing and queue its search job (`parallel` of them for a Slurm schedule)
+    in one transaction; the job ids, or None when nothing is due or another scheduler recorded this firing first."""
     with session_factory(engine)() as session:
         last, count = session.execute(select(func.max(Firing.fire_time), func.count())
                                       .where(Firing.schedule_id == schedule.id)).one()
@@ -156,17 +166,19 @@ def fire(engine: Engine, schedule: Schedule, now: datetime) -> int | None:
         due = latest_due(trigger(schedule.cron), after, now)
         if due is None:
             return None
-        job = Job(kind="search", pipeline=schedule.pipeline, spec=schedule.spec, trials=(count + 1) * schedule.trials,
-                  study=schedule.study, schedule_id=schedule.id, status=QUEUED, attempts=0, created_at=now)
-        session.add(job)
+        parallel = json.loads(schedule.slurm or "{}").get("parallel", 1)
+        jobs = [Job(kind="search", pipeline=schedule.pipeline, spec=schedule.spec, trials=(count + 1) * schedule.trials,
+                    study=schedule.study, schedule_id=schedule.id, status=QUEUED, attempts=0, created_at=now,
+                    backend=schedule.backend, slurm=schedule.slurm) for _ in range(parallel)]
+        session.add_all(jobs)
         try:
             session.flush()
-            session.add(Firing(schedule_id=schedule.id, fire_time=due, job_id=job.id, recorded_at=now))
+            session.add(Firing(schedule_id=schedule.id, fire_time=due, job_id=jobs[0].id, recorded_at=now))
             session.commit()
         except IntegrityError:
             session.rollback()
             return None
-        return job.id
+        return [job.id for job in jobs]
 
 
 def serve(engine: Engine, *, now: Callable[[], datetime] = utcnow, once: bool = False,

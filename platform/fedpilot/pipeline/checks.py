@@ -28,11 +28,21 @@ def resolve_device(requested: str) -> torch.device:
                         else "cpu")
 
 
-def check_devices(spec: PipelineSpec, device: torch.device, algorithms: list[Algorithm]) -> None:
-    """`devices` > 1 (DDP) needs that many GPUs on a GPU, and stages whose server aggregate is made of sums."""
-    if spec.devices == 1:
+def under_slurm() -> bool:
+    """This process is a task of a Slurm job (Lightning's SLURM environment: ranks, nodes and the main address)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect()
+
+
+def check_devices(spec: PipelineSpec, device: torch.device, algorithms: list[Algorithm], here: bool = True) -> None:
+    """`devices` > 1 (DDP) needs that many GPUs on a GPU, and stages whose server aggregate is made of sums; `nodes`
+    > 1 runs as a Slurm job. With `here` off (a pipeline checked for a cluster) what this machine has is not asked."""
+    if here and spec.nodes > 1 and not under_slurm():
+        raise SpecError("nodes", spec.nodes, "several nodes run as a Slurm job: fedpilot submit PIPELINE --to slurm")
+    if spec.devices == 1 and spec.nodes == 1:
         return
-    if device.type == "cuda" and spec.devices > torch.cuda.device_count():
+    if here and device.type == "cuda" and spec.devices > torch.cuda.device_count():
         raise SpecError("devices", spec.devices, f"only {torch.cuda.device_count()} CUDA devices are visible here")
     for i, algorithm in enumerate(algorithms):
         if not splits_across_processes(algorithm):
@@ -92,11 +102,12 @@ def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
         raise SpecError("model", spec.model.model_dump(), f"cannot be built{where}: {problem}") from None
 
 
-def prepare(spec: PipelineSpec, root: Path) -> Prepared:
+def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
     """Build what a pipeline needs and run every check that can fail on the user's input (data, model options,
     cohort sizes, algorithms, devices, personalization), before any run is created. `fedpilot validate` and
-    `fedpilot run` both call it; `root` is the cache root (the dataset is cached under root/data)."""
-    device = resolve_device(spec.device)
+    `fedpilot run` both call it; `root` is the cache root (the dataset is cached under root/data). With `here` off
+    (a pipeline submitted to a cluster) the devices it asks for need not exist on this machine."""
+    device = resolve_device(spec.device if here else "cpu")
     data = build_federated_data(spec.dataset, spec.seed, root / "data")
     for i, stage in enumerate(spec.stages):
         if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
@@ -104,7 +115,7 @@ def prepare(spec: PipelineSpec, root: Path) -> Prepared:
                             f"the federation has only {data.n_clients} clients")
     model = model_for(spec, data)
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
-    check_devices(spec, device, algorithms)
+    check_devices(spec, device, algorithms, here)
     probe = copy.deepcopy(model)
     for i, stage in enumerate(spec.stages):
         split, dim = stage_split(spec, stage, algorithms[i].personal_part)

@@ -43,3 +43,5 @@ def quiet_lightning() -> None:
     # Our round is the manual-optimization step; its checkpoint is meant to hold the state after it.
     warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    # On a Slurm login node srun exists, but `fedpilot run` there is not a Slurm job (submit --to slurm is).
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -23,7 +24,7 @@ from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.models import ParamSplit, apply_split
 from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
-from fedpilot.pipeline.checks import prepare, stage_split
+from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
 from fedpilot.pipeline.report import SPLITS, stage_report
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
@@ -207,14 +208,17 @@ class PipelineRunner:
         return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
 
     def _trainer(self, stage: FederatedStage, checkpoints: Path, callbacks: list[Callback]) -> L.Trainer:
-        """The stage's Trainer: checkpoints every `eval_every` rounds; DDP over `devices` processes when > 1."""
+        """The stage's Trainer: checkpoints every `eval_every` rounds; DDP over `devices` processes (on each of
+        `nodes` nodes) when more than one. In a Slurm job, Lightning's SLURM environment gives the ranks (srun started
+        the processes) but not its own requeue: fedpilot stops after a round with a checkpoint (pipeline.signals)."""
         every = stage.config.eval_every
         saving = ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0, every_n_train_steps=every)
-        devices = self.spec.devices
-        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices,
-                         strategy=DDPStrategy(forward_sync_buffers=False) if devices > 1 else "auto",
-                         logger=False, callbacks=[*callbacks, saving], enable_progress_bar=self.progress,
-                         enable_model_summary=False, default_root_dir=checkpoints)
+        devices, nodes = self.spec.devices, self.spec.nodes
+        plugins = [SLURMEnvironment(auto_requeue=False)] if under_slurm() else None
+        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices, num_nodes=nodes,
+                         strategy=DDPStrategy(forward_sync_buffers=False) if devices * nodes > 1 else "auto",
+                         plugins=plugins, logger=False, callbacks=[*callbacks, saving],
+                         enable_progress_bar=self.progress, enable_model_summary=False, default_root_dir=checkpoints)
 
     def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,
                 before: FederatedStage | None, log: bool = True) -> StageOutcome:

@@ -1,4 +1,5 @@
-"""Stopping a pipeline on SIGINT/SIGTERM: after the current round, with a checkpoint, its runs KILLED and resumable."""
+"""Stopping a pipeline on SIGINT/SIGTERM: after the current round, with a checkpoint, its runs KILLED and resumable.
+SIGUSR1 and SIGUSR2 do the same: they are what a Slurm job receives shortly before its time limit (`--signal`)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ class Stopped(SystemExit):
     """A pipeline stopped on SIGINT/SIGTERM after a round, with a checkpoint (exit code 128 + the signal)."""
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _STOP: dict[str, int] = {}  # the signal that asked the running pipeline to stop, if any
 
 
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM ask the training stage to stop after its current round
-    (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread nothing is installed."""
+    """While the block runs, SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 ask the training stage to stop after its current
+    round (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -33,11 +35,11 @@ def stop_on_signals() -> Iterator[None]:
     def ask(signum: int, frame: Any) -> None:
         if _STOP and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        _STOP["signal"] = signum
+        _STOP.setdefault("signal", signum)  # the first reason stays (a time-limit warning, then Slurm's SIGTERM)
         print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
               "once)", file=sys.stderr, flush=True)
 
-    previous = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, ask) for s in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -99,14 +99,14 @@ class BlockGate(nn.Module):
             bits = torch.arange(2 ** len(free))[:, None].bitwise_right_shift(torch.arange(len(free))) & 1
             self.register_buffer("subsets", bits.float(), persistent=False)  # [2^F, F]
             self.register_buffer("placement", nn.functional.one_hot(free, len(self.forced)).float(), persistent=False)
+            self.register_buffer("subset_size", self.subsets @ self.block_size[free], persistent=False)
         return exact
 
     def select(self, importance: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         """The knapsack choice I in {0,1}^L under the budget fraction s_i; forced blocks always in."""
         capacity = budget * self.block_size.sum()
         if self.exact:
-            free_size = self.subsets @ (self.placement @ self.block_size)
-            fits = free_size <= capacity - self.block_size[self.forced].sum()
+            fits = self.subset_size <= capacity - self.block_size[self.forced].sum()
             value = torch.where(fits, self.subsets @ (self.placement @ importance), -math.inf)
             best = self.subsets.index_select(0, value.argmax().view(1))[0]
             return self.forced.to(importance.dtype) + best @ self.placement

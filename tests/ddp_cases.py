@@ -23,8 +23,8 @@ from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.models import build_model
 
 HEAD = ["head.weight", "head.bias"]
-GATE = ["gate.norm.weight", "gate.norm.bias", "gate.gates.weight", "gate.gates.bias", "gate.importance.weight",
-        "gate.importance.bias"]
+GATE = ["gate.budget", "gate.norm.weight", "gate.norm.bias", "gate.gates.weight", "gate.gates.bias",
+        "gate.importance.weight", "gate.importance.bias"]
 # name: (algorithm, its params, personal parameters, server optimizer) -- what each case puts through the reduction
 CASES: dict[str, tuple[str, dict, list[str], dict]] = {
     "fedavg-adam": ("fedavg", {}, [], {"optimizer": "adam", "lr": 0.05}),  # dense deltas, stateful server optimizer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,7 @@ def one_round(params: dict, clients_per_round: int | None) -> tuple[FederatedSta
     torch.manual_seed(0)
     model = TinyMLP()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = StageConfig(rounds=1, clients_per_round=clients_per_round, local=FULL_BATCH, server={"lr": RHO})
+    cfg = StageConfig(rounds=1, clients_per_round=clients_per_round, local=FULL_BATCH)  # server: sgd, lr 1
     stage = stage_for(model, HEAD, ToyData(), build_algorithm("pflego", {"rho": RHO, **params}), cfg)
     fit(stage)
     return stage, start
@@ -59,8 +61,23 @@ def one_round(params: dict, clients_per_round: int | None) -> tuple[FederatedSta
 
 def assert_round(stage: FederatedStage, expected: tuple[dict, dict]) -> None:
     theta = {n: p.detach() for n, p in stage.model.named_parameters() if n not in HEAD}
-    assert_close(theta, expected[0])
-    assert_close({n: stage.bank.tensor(n) for n in HEAD}, expected[1])
+    assert_round_values((theta, {n: stage.bank.tensor(n) for n in HEAD}), expected)
+
+
+def assert_round_values(got: tuple[dict, dict], expected: tuple[dict, dict]) -> None:
+    assert_close(got[0], expected[0])
+    assert_close(got[1], expected[1])
+
+
+def sgd_step_on_the_global_loss(start: dict, data: ToyData, rho: float) -> tuple[dict, dict]:
+    """psi - rho grad L(psi) with L = sum_i alpha_i l_i(W_i, theta), every head starting at the model's head."""
+    body = {n: v.clone().requires_grad_() for n, v in start.items() if n not in HEAD}
+    heads = [{n: start[n].clone().requires_grad_() for n in HEAD} for _ in range(data.n_clients)]
+    alpha = data.sizes["train"].float() / data.sizes["train"].sum()
+    total = sum(alpha[i] * client_loss({**body, **heads[i]}, data, i) for i in range(data.n_clients))
+    total.backward()
+    theta = {n: v.detach() - rho * v.grad for n, v in body.items()}
+    return theta, {n: torch.stack([h[n].detach() - rho * h[n].grad for h in heads]) for n in HEAD}
 
 
 def test_tau_1_with_full_participation_is_one_sgd_step_on_the_global_loss():
@@ -68,14 +85,37 @@ def test_tau_1_with_full_participation_is_one_sgd_step_on_the_global_loss():
     stage, start = one_round({"tau": 1}, None)
     data = ToyData()
     assert len(set(data.sizes["train"].tolist())) > 1
-    body = {n: v.clone().requires_grad_() for n, v in start.items() if n not in HEAD}
-    heads = [{n: start[n].clone().requires_grad_() for n in HEAD} for _ in range(data.n_clients)]
-    alpha = data.sizes["train"].float() / data.sizes["train"].sum()
-    total = sum(alpha[i] * client_loss({**body, **heads[i]}, data, i) for i in range(data.n_clients))
-    total.backward()
-    theta = {n: v.detach() - RHO * v.grad for n, v in body.items()}
-    bank = {n: torch.stack([h[n].detach() - RHO * h[n].grad for h in heads]) for n in HEAD}
-    assert_round(stage, (theta, bank))
+    assert_round(stage, sgd_step_on_the_global_loss(start, data, RHO))
+
+
+def test_the_default_is_algorithm_1_with_one_step_size_for_heads_and_body():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    algorithm = build_algorithm("pflego", {"tau": 1})  # rho: its default, on both sides
+    stage = stage_for(model, HEAD, ToyData(), algorithm, StageConfig(rounds=1, local=FULL_BATCH))
+    fit(stage)
+    assert_round(stage, sgd_step_on_the_global_loss(start, ToyData(), algorithm.p.rho))
+
+
+def test_a_round_is_the_sgd_step_on_the_global_loss_in_expectation_over_cohorts():
+    """Proposition 1 with client sampling (r = 2 of I = 5): the (I/r) scaling makes the mean over every cohort the
+    engine could sample of one round's update (theta and every head) the full-participation SGD step."""
+    data = ToyData(n_clients=5)
+    rounds = []
+    for cohort in itertools.combinations(range(5), 2):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cfg = StageConfig(rounds=1, clients_per_round=2, local=FULL_BATCH)
+        stage = stage_for(model, HEAD, data, build_algorithm("pflego", {"tau": 1, "rho": RHO}), cfg)
+        stage.sample_cohort = lambda round_idx, chosen=cohort: torch.tensor(chosen)
+        fit(stage)
+        rounds.append(({n: p.detach() for n, p in model.named_parameters() if n not in HEAD},
+                       {n: stage.bank.tensor(n).clone() for n in HEAD}))
+    mean = tuple({n: torch.stack([r[part][n] for r in rounds]).mean(0) for n in rounds[0][part]} for part in (0, 1))
+    assert_round_values(mean, sgd_step_on_the_global_loss(start, data, RHO))
+    assert not torch.allclose(rounds[0][0]["body.1.weight"], mean[0]["body.1.weight"])  # one round alone is not
 
 
 def test_partial_participation_follows_algorithm_1_with_head_steps_and_the_unbiased_sum():

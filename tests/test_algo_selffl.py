@@ -1,5 +1,5 @@
-"""Self-FL: the closed-form posterior on the paper's scalar synthetic problem, Eqs. 8/10/19 as reconstructed,
-the first activation, adaptive step counts, engine paths and resume agree."""
+"""Self-FL: the closed-form posterior on the paper's scalar synthetic problem through the real stage, Eqs. 8/10/14/19
+as reconstructed, the first activation, adaptive step counts, engine paths and resume agree."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from pydantic import ValidationError
+from torch import nn
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
@@ -17,79 +18,110 @@ from fedpilot.algorithms.selffl import (
     initial_point,
     local_steps,
     precision,
-    precision_mean,
     trace_variance,
     welford,
 )
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.task import Task
 from test_engine_equivalence import assert_close
 
 ALL = [n for n, _ in TinyMLP().named_parameters()]
 LOCAL = LocalConfig(batch_size=4, lr=0.1)
 
 
-# ---- the paper's scalar synthetic setting (Sec. 4.1, App. G.1) --------------------------------------------------
-def synthetic(sigma0_sq: float, max_size: int, seed: int) -> dict[str, torch.Tensor]:
-    """M = 20 clients, theta_m ~ N(1.6, sigma0_sq), z_m = mean of N_m ~ U[10, max_size] draws of N(theta_m, 0.1);
-    with the closed forms: theta_m^FL and its posterior sd, theta^(G) and its sd."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(10, max_size + 1, (20,), generator=g).double()
-    theta = 1.6 + math.sqrt(sigma0_sq) * torch.randn(20, generator=g, dtype=torch.float64)
-    s = 0.1 / sizes  # intra-client variance of z_m
-    z = theta + s.sqrt() * torch.randn(20, generator=g, dtype=torch.float64)
+# ---- the paper's scalar synthetic setting (Sec. 4.1, App. G.1), through the real stage ---------------------------
+V2 = 0.1  # the per-sample variance v^2 of the paper's synthetic data
+
+
+class GaussianNLL(Task):
+    """y ~ N(theta, v^2): the per-sample negative log-likelihood (theta - y)^2 / (2 v^2), up to a constant; `acc`
+    (within one noise sd) only so the stage's evaluation has its metric."""
+
+    name, metrics, distributions, train_metric = "gaussian", ("acc", "loss"), ("acc",), "acc"
+
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        loss = (output - y).pow(2) / (2 * V2)
+        return {"loss": loss, "acc": ((output - y).abs() < V2**0.5).to(loss.dtype)}, torch.ones_like(loss)
+
+
+class Scalar(nn.Module):
+    """One parameter theta, predicting theta for every input."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.theta.expand(x.shape[0])
+
+
+def posterior(z: torch.Tensor, s: torch.Tensor, sigma0_sq: float) -> dict[str, torch.Tensor]:
+    """The closed forms given z_1..z_M: theta_m^FL and its posterior sd (Eq. 3), theta^(G) and its sd (Eq. 2)."""
     w = precision(s, sigma0_sq)
     others = w.sum() - w
-    fl = (z / s + (w * z).sum() - w * z) / (1 / s + others)  # posterior mean of theta_m given z_1..z_M
-    return {"z": z, "s": s, "fl": fl, "fl_sd": (1 / (1 / s + others)).sqrt(),
+    return {"fl": (z / s + (w * z).sum() - w * z) / (1 / s + others), "fl_sd": (1 / (1 / s + others)).sqrt(),
             "global": (w * z).sum() / w.sum(), "global_sd": 1 / w.sum().sqrt()}
 
 
-def self_fl_scalar(z: torch.Tensor, s: torch.Tensor, sigma0_sq: float, per_round: int, eta: float = 1e-4,
-                   rounds: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
-    """Algorithm 1 with the module's Eqs. 8, 10, 11 and smoothing; local training is gradient descent on
-    (theta - z_m)^2 / (2 s_m) (its l steps in closed form). Known variances, as the paper's synthetic runs
-    (Eq. 16 with N_m, v^2 and sigma_0^2)."""
-    m = len(z)
-    glob, personal = torch.zeros((), dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
-    seen = torch.zeros(m, dtype=torch.bool)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(rounds):
-        c = torch.randperm(m, generator=g)[:per_round]
-        own = precision(s[c], sigma0_sq)
-        others = precision(s, sigma0_sq).sum() - own
-        steps = local_steps(s[c], others, torch.tensor(eta), l_max=10**6)
-        coefficient = torch.where(seen[c], own / others, torch.zeros_like(own))
-        start = initial_point({"t": personal[c]}, {"t": glob}, coefficient)["t"]
-        trained = z[c] + (1 - eta / s[c]) ** steps * (start - z[c])
-        target = precision_mean({"t": trained}, own)["t"]
-        glob = glob - per_round / m * (glob - target)
-        personal[c], seen[c] = trained, True
-    return personal, glob
+class ScalarData:
+    """M = 20 clients, theta_m ~ N(1.6, sigma0_sq), N_m ~ U[10, max_size] train samples of N(theta_m, v^2) (plus 2
+    val and 2 test samples), client-major; z_m is the mean of its train samples, s_m = v^2 / N_m (App. D)."""
+
+    def __init__(self, sigma0_sq: float, max_size: int, seed: int, m: int = 20):
+        g = torch.Generator().manual_seed(seed)
+        train = torch.randint(10, max_size + 1, (m,), generator=g)
+        theta = 1.6 + math.sqrt(sigma0_sq) * torch.randn(m, generator=g)
+        sizes = train + 4
+        self.y = torch.cat([theta[i] + math.sqrt(V2) * torch.randn(int(sizes[i]), generator=g) for i in range(m)])
+        self.x = torch.zeros(len(self.y), 1)
+        start = torch.cumsum(sizes, 0) - sizes
+        self.offsets = {"train": start, "val": start + train, "test": start + train + 2}
+        self.sizes = {"train": train, "val": torch.full((m,), 2), "test": torch.full((m,), 2)}
+        self.n_clients = m
+        self.z = torch.stack([self.y[start[i] : start[i] + train[i]].double().mean() for i in range(m)])
+        self.s = V2 / train.double()
+
+    def to(self, device: torch.device) -> ScalarData:
+        return self
 
 
-@pytest.mark.parametrize(("sigma0_sq", "max_size", "per_round"), [
-    (0.001, 20, 20), (1.0, 200, 20), (1.0, 200, 10)], ids=["homogeneous", "heterogeneous", "heterogeneous-C0.5"])
-def test_scalar_gaussian_lands_on_the_closed_form_posterior(sigma0_sq, max_size, per_round):
-    p = synthetic(sigma0_sq, max_size, seed=0)
-    personal, glob = self_fl_scalar(p["z"], p["s"], sigma0_sq, per_round)
-    local_error = (p["z"] - p["fl"]).abs().mean()  # learning alone
-    full = per_round == 20
-    assert (personal - p["fl"]).abs().mean() < (0.15 if full else 0.3) * local_error
-    assert ((personal - p["fl"]).abs() / p["fl_sd"]).max() < (1.0 if full else 0.5 * math.sqrt(max_size))
-    assert (glob - p["global"]).abs() < (0.5 if full else 1.5) * p["global_sd"]
+@pytest.mark.parametrize(("sigma0_sq", "max_size", "per_round", "rounds", "lr"), [
+    (0.001, 20, 20, 120, 0.005), (1.0, 200, 20, 15, 0.05), (1.0, 200, 10, 30, 0.05)],
+    ids=["homogeneous", "heterogeneous", "heterogeneous-C0.5"])
+def test_scalar_gaussian_through_the_stage_lands_on_the_closed_form_posterior(sigma0_sq, max_size, per_round,
+                                                                            rounds, lr):
+    """Algorithm 1 as the engine runs it (Eqs. 8, 10, 11, smoothing; full-batch local steps on the mean NLL at the
+    stage's lr), with the paper's known variances: each personal model ends within half a posterior sd of
+    theta_m^FL and the global model near theta^(G). Eq. 8 at the wrong scale (lr on the sum, not lr / N_m)
+    would stop every client after one step far from it."""
+    data = ScalarData(sigma0_sq, max_size, seed=0)
+    closed = posterior(data.z, data.s, sigma0_sq)
+    algorithm = build_algorithm("selffl", {"l_max": 1000, "known": {"sigma0_sq": sigma0_sq, "sample_variance": V2}})
+    model = Scalar()
+    algorithm.prepare_model(model, (1,))
+    cfg = StageConfig(rounds=rounds, clients_per_round=per_round, eval_every=rounds,
+                      local=LocalConfig(batch_size=max_size, lr=lr))  # a batch >= N_m: full-batch steps
+    stage = stage_for(model, ["theta"], data, algorithm, cfg, task=GaussianNLL())
+    fit(stage)
+    personal, glob = stage.bank.tensor("theta").double(), model.theta.detach().double()
+    assert ((personal - closed["fl"]).abs() / closed["fl_sd"]).max() < 0.5
+    assert (personal - closed["fl"]).abs().mean() < 0.25 * (data.z - closed["fl"]).abs().mean()  # vs alone
+    assert (glob - closed["global"]).abs() < 0.5 * closed["global_sd"]
     if sigma0_sq == 1.0:  # heterogeneous: one global model (FedAvg's answer) is far from every theta_m^FL
-        assert (p["global"] - p["fl"]).abs().mean() > 10 * (personal - p["fl"]).abs().mean()
+        assert (closed["global"] - closed["fl"]).abs().mean() > 10 * (personal - closed["fl"]).abs().mean()
+        assert stage.state_bank.tensor("steps").max() > 1
 
 
 def test_eq10_from_the_global_mean_is_the_other_clients_precision_mean():
-    p = synthetic(1.0, 200, seed=3)
-    w = precision(p["s"], 1.0)
+    data = ScalarData(1.0, 200, seed=3)
+    w = precision(data.s, 1.0)
     others = w.sum() - w
-    start = initial_point({"t": p["z"]}, {"t": p["global"]}, w / others)["t"]
-    expected = torch.stack([(w * p["z"]).sum() - w[m] * p["z"][m] for m in range(20)]) / others
+    glob = posterior(data.z, data.s, 1.0)["global"]
+    start = initial_point({"t": data.z}, {"t": glob}, w / others)["t"]
+    expected = torch.stack([(w * data.z).sum() - w[m] * data.z[m] for m in range(20)]) / others
     torch.testing.assert_close(start, expected)
-    assert torch.equal(initial_point({"t": p["z"]}, {"t": p["global"]}, torch.zeros(20))["t"],
-                       p["global"].expand(20))  # coefficient 0: the first activation starts from the broadcast
+    assert torch.equal(initial_point({"t": data.z}, {"t": glob}, torch.zeros(20))["t"],
+                       glob.expand(20))  # coefficient 0: the first activation starts from the broadcast
 
 
 def test_eq8_steps_match_the_contraction_and_its_edge_cases():
@@ -181,6 +213,19 @@ def test_step_counts_adapt_per_client_and_follow_the_reported_variances():
     assert int(settled.sum()) >= 6
     assert len(set(steps[settled].tolist())) >= 3 and float(steps[settled].max()) < 20
     assert (variance[settled] > 0).all()
+
+
+def test_eq14_is_the_spread_of_every_clients_latest_personal_model():
+    """Eq. 14 over all M clients, a client not yet activated counting with its starting model theta^0; kept by
+    running sums, it equals the variance of the personal bank, not of the round's models alone."""
+    stage = selffl_stage(rounds=4, per_round=4)
+    fit(stage)
+    bank = {n: stage.bank.tensor(n) for n in ALL}
+    assert int((stage.state_bank.tensor("activations") == 0).sum()) >= 1  # some clients are still at theta^0
+    assert math.isclose(stage.server_state["sigma0_sq"], trace_variance(bank), rel_tol=1e-5)
+    last = stage.sample_cohort(3)
+    assert not math.isclose(stage.server_state["sigma0_sq"], trace_variance({n: v[last] for n, v in bank.items()}),
+                            rel_tol=0.05)
 
 
 def test_resume_mid_stage_restores_the_server_variances(tmp_path):

@@ -249,6 +249,30 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
 
 
 @app.command()
+def compare(
+    set_file: Annotated[Path, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml.")],
+    overrides: Overrides = None,
+    seeds: Annotated[int | None, typer.Option(help="Run seeds 0..N-1 instead of the set's seeds.")] = None,
+    cache_dir: CacheDir = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
+) -> None:
+    """Run a named set of pipelines over N seeds; print and record (MLflow) the table of per-client test accuracy
+    (mean, p10; mean and sd over seeds; paired differences with the baseline); ends with run_id."""
+    from fedpilot.compare import load_comparison, run_comparison
+    from fedpilot.pipeline import quiet_lightning
+
+    quiet_lightning()
+    try:
+        comparison, specs = load_comparison(set_file, seeds, overrides or [], cache_dir)
+    except SpecError as err:
+        fail(err)
+    typer.echo(f"comparison {comparison.name}: {len(specs)} pipelines x seeds {comparison.seed_list()}")
+    result = run_comparison(comparison, specs, cache_dir, progress, typer.echo)
+    typer.echo("\n" + result.table)
+    typer.echo(f"run_id: {result.run_id}")
+
+
+@app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port of the MLflow UI.")] = 5000,
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",

@@ -7,7 +7,7 @@ L(psi) = sum_i alpha_i l_i(W_i, theta) with alpha_i = N_i / sum_j N_j (Eq. 1). O
   client i in I_t:  tau - 1 steps  W_i <- W_i - beta grad_W l_i(W_i, theta)        (theta frozen)
                     joint gradient (grad_W l_i, grad_theta l_i) at the same point, on one minibatch
                     W_i <- W_i - rho (I/r) alpha_i grad_W l_i                       (Eq. 5, see below)
-                    send g_i = grad_theta l_i
+                    send g_i = grad_theta l_i, weighted by rho (I/r) alpha_i
   server:           theta <- theta - rho (I/r) sum_{i in I_t} alpha_i g_i          (Eq. 4)
 
 The formulas of the text we worked from are partly garbled; the above is reconstructed from Algorithm 1
@@ -18,20 +18,20 @@ and Eqs. 1-6. Choices where the paper is ambiguous:
   round is an unbiased SGD step psi <- psi - rho grad^s L) holds only with it, since grad_{W_i} L =
   alpha_i grad_W l_i. We follow Eq. 5: with tau = 1 and full participation a round is exactly one SGD step on
   L (tested). Eq. 3 would be the same step with each head's rate multiplied by 1/alpha_i.
-* rho on the client. rho is the server's step size (the stage's `server.lr` with optimizer sgd); the engine
-  does not tell clients the server's lr, so the joint head step takes it from the `rho` parameter, which
-  must equal `server.lr` for the exact SGD step. rho null: the head's joint step uses beta instead (still an
-  exact SGD step on L, with rate beta on the heads and server.lr on theta).
+* rho. The paper's rho_t is one step size for the heads' joint step (Eq. 3) and the body (Eq. 4). It is the `rho`
+  parameter, used on both sides: the clients step their heads with it and weight their uploads by it, so the
+  aggregate is already rho (I/r) sum_i alpha_i g_i and the stage's server optimizer must be plain sgd with lr 1 (the
+  default) to apply Eq. 4 as it stands. rho_t = rho times the stage's lr schedule factor (`local.schedule`, the
+  round's schedule), on both sides. beta (the tau - 1 head-only steps) is a separate step size.
 * Minibatches. The paper's clients take full local gradients (the only stochasticity is client sampling);
   here each step uses one minibatch of the stage's `local.batch_size` (the steps' budget is tau, the
   `local` block's epochs/steps are not used). A batch size >= every client's train set gives the paper's
   full-gradient steps.
-* The local block's clip_norm / weight_decay and lr schedule apply to the tau - 1 head steps (cohort.sgd);
-  the joint step is the plain gradient step of the box (the schedule scales it only through beta when rho
-  is null).
-* The server aggregate is the weighted SUM (I/r) sum_i alpha_i g_i (`WeightedSum`), not a mean; the stage's
-  server optimizer (sgd, lr rho) then takes theta <- theta - rho * aggregate. Momentum or adam change the
-  server rule away from the paper's.
+* The local block's clip_norm / weight_decay apply to the tau - 1 head steps (cohort.sgd); the joint step is the
+  plain gradient step of the box.
+* The server aggregate is the weighted SUM rho (I/r) sum_i alpha_i g_i (`WeightedSum`), not a mean; the stage's
+  server optimizer (sgd, lr 1) then takes theta <- theta - aggregate. Momentum, adam or another server lr change
+  the server rule away from the paper's.
 * The first tau - 1 head steps run on the frozen body's features, computed once (paper Sec. 3.3, the
   engine's head-only path for a head split).
 """
@@ -48,13 +48,13 @@ Params = dict[str, torch.Tensor]
 
 class PflegoParams(StatefulParams):
     """tau: local head steps per round including the joint one (paper: 50); beta: lr of the tau - 1 head-only
-    steps (null = the stage's local.lr); rho: step size of the joint head step, set to the stage's server.lr
-    for the exact SGD step of Proposition 1 (null = beta); stateful: false re-initialises W_i at each visit.
-    """
+    steps (null = the stage's local.lr); rho: the step size of the joint head step and of the body (Eqs. 3-4;
+    the paper's experiments use 0.001 over 5000 rounds, the default suits a few hundred); stateful: false
+    re-initialises W_i at each visit. The stage's server optimizer stays sgd with lr 1 (the default)."""
 
     tau: int = Field(50, ge=1)
     beta: float | None = Field(None, gt=0)
-    rho: float | None = Field(None, gt=0)
+    rho: float = Field(0.1, gt=0)
 
 
 class WeightedSum(WeightedMean):
@@ -77,10 +77,9 @@ class Pflego(Algorithm):
         if self.p.tau > 1:
             cohort.personal = cohort.sgd("personal", lr=self.p.beta, steps=self.p.tau - 1).personal
         grads = cohort.gradient("all", steps=1)
-        scale = unbiased_weights(cohort)
-        rate = self.p.rho if self.p.rho is not None else (self.p.beta or cohort.local.lr) * cohort.lr_factor
-        cohort.personal = {n: v - rate * _rows(scale, v) * grads[n] for n, v in cohort.personal.items()}
-        return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=scale)
+        step = self.p.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i
+        cohort.personal = {n: v - _rows(step, v) * grads[n] for n, v in cohort.personal.items()}
+        return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=step)
 
 
 def unbiased_weights(cohort: Cohort) -> torch.Tensor:

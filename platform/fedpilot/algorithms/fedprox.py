@@ -1,0 +1,45 @@
+"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, MLSys 2020), a baseline of paper 001.
+
+Each sampled client k, given the global model w^t, approximately minimises its proximal local objective
+
+    h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2
+
+by local SGD from w^t (the stage's `local` budget: FedProx's E epochs, or steps), and sends w; the server averages
+the clients' models (FedAvg's rule). mu = 0 is FedAvg exactly.
+
+Choices: the inexact local solver is the engine's minibatch SGD with the pull added to every step's gradient
+(FedProx's "gamma-inexact" solution is whatever the budget reaches); the server weights the clients by their
+train sample counts (FedAvg's aggregation; FedProx samples clients with probability proportional to N_k and
+averages uniformly, the same in expectation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+
+from fedpilot.api import Algorithm, AlgorithmParams, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
+
+
+class FedProxParams(AlgorithmParams):
+    """mu: weight of the proximal term mu/2 ||w - w^t||^2 (FedProx tunes it in {0.001, 0.01, 0.1, 1})."""
+
+    mu: float = Field(0.01, ge=0)
+
+
+class FedProx(Algorithm):
+    """Local SGD on the whole model pulled towards the broadcast; the server averages."""
+
+    name = "fedprox"
+    Params = FedProxParams
+
+    @property
+    def personal_part(self) -> str:
+        return "none"
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        return Upload(shared=cohort.sgd("shared", prox=self.p.mu, reference=cohort.shared).shared)

@@ -1,0 +1,59 @@
+"""Per-FedAvg: Fallah, Mokhtari, Ozdaglar, "Personalized Federated Learning with Theoretical Guarantees: A
+Model-Agnostic Meta-Learning Approach", NeurIPS 2020 (a baseline of papers 000 and 002), first-order version.
+
+The global model w is trained so that one step of local gradient descent from it is a good personal model:
+F(w) = mean_i f_i(w - alpha grad f_i(w)). Each sampled client takes tau local meta-steps (Algorithm 1):
+
+    temp = w - alpha grad f_i(w; D)          (a fresh minibatch D)
+    w    = w - beta grad f_i(temp; D')        (another fresh minibatch D')
+
+and sends w; the server takes the mean of the clients' models.
+
+Choices: the first-order version (Per-FedAvg (FO): the Hessian term of the meta-gradient is dropped, as paper 002
+does for its audio experiments); beta is the stage's local.lr (times its schedule); the server mean is uniform
+over the sampled clients (Algorithm 1). A client's personal model is one step of local SGD from the final global
+model: a `finetune` stage with `params: {part: all}` and `local: {steps: 1, lr: alpha}` after this one gives it
+(the paper's evaluation); this stage's own evaluation is of the global model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field
+
+from fedpilot.api import Algorithm, AlgorithmParams, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
+
+
+class PerFedAvgParams(AlgorithmParams):
+    """alpha: the inner (adaptation) step size; tau: local meta-steps per round (each takes two minibatch
+    gradients)."""
+
+    alpha: float = Field(0.01, gt=0)
+    tau: int = Field(10, ge=1)
+
+
+class PerFedAvg(Algorithm):
+    """First-order MAML steps on each client from the broadcast; the server averages the models."""
+
+    name = "perfedavg"
+    Params = PerFedAvgParams
+
+    @property
+    def personal_part(self) -> str:
+        return "none"
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        k = len(cohort)
+        w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
+        beta = cohort.local.lr * cohort.lr_factor
+        for _ in range(self.p.tau):
+            first = cohort.gradient("shared", steps=1, shared=w)
+            temp = {n: v - self.p.alpha * first[n] for n, v in w.items()}
+            meta = cohort.gradient("shared", steps=1, shared=temp)
+            w = {n: v - beta * meta[n] for n, v in w.items()}
+        return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))

@@ -1,0 +1,65 @@
+"""pFedMe: Dinh, Tran, Nguyen, "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020 (a baseline of
+papers 000 and 002; paper 000 trains it in step (b) of its pipeline, B.2 (iii)).
+
+The personal model theta_i of client i is the proximal point of its loss at the client's copy w of the global
+model, theta_i(w) = argmin_theta f_i(theta) + lam/2 ||theta - w||^2 (a Moreau envelope). One round (Algorithm 1):
+
+  server: send w^t to the sampled clients
+  client i:  w_{i,0} = w^t, theta_i = w^t
+             for r = 0 .. R-1:
+                 K SGD steps on f_i(theta_i) + lam/2 ||theta_i - w_{i,r}||^2   (the personal lr)
+                 w_{i,r+1} = w_{i,r} - eta lam (w_{i,r} - theta_i)             (eta: the stage's local.lr)
+             send w_{i,R}
+  server:   w^{t+1} = (1 - beta) w^t + beta mean_i w_{i,R}
+
+Choices: beta is the stage's server lr (server: sgd, lr beta; beta = 1 takes the clients' mean), and the mean is
+uniform over the sampled clients, as in Algorithm 1; theta_i starts each participation from w^t (the authors'
+code) and carries over the R local rounds; each of the K inner steps draws its own minibatch of the stage's
+batch size (the paper solves each inner problem on one sampled batch; a batch size >= every client's train set
+makes both the full local loss); the clients are evaluated with their theta_i from their last participation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field
+
+from fedpilot.api import Algorithm, AlgorithmParams, Upload
+
+if TYPE_CHECKING:
+    from fedpilot.api import Cohort
+
+
+class PFedMeParams(AlgorithmParams):
+    """lam: weight of the Moreau envelope's pull (pFedMe: 15 on MNIST; paper 000 tuned 0.1 on EMNIST);
+    local_rounds: R; inner_steps: K; lr_personal: the inner steps' lr (null = the stage's local.lr)."""
+
+    lam: float = Field(15.0, gt=0)
+    local_rounds: int = Field(20, ge=1)
+    inner_steps: int = Field(5, ge=1)
+    lr_personal: float | None = Field(None, gt=0)
+
+
+class PFedMe(Algorithm):
+    """A personal copy theta_i solving the proximal problem at the client's w, which steps towards it; w averaged."""
+
+    name = "pfedme"
+    Params = PFedMeParams
+    personal_copy = True
+
+    @property
+    def personal_part(self) -> str:
+        return "all"
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        k = len(cohort)
+        w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
+        cohort.personal = {n: v.clone() for n, v in w.items()}
+        eta = cohort.local.lr * cohort.lr_factor
+        for _ in range(self.p.local_rounds):
+            cohort.personal = cohort.sgd("personal", lr=self.p.lr_personal, steps=self.p.inner_steps,
+                                         prox=self.p.lam, reference=w).personal
+            w = {n: v - eta * self.p.lam * (v - cohort.personal[n]) for n, v in w.items()}
+        return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))

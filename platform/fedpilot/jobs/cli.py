@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fedpilot.cli_common import AsJson, Db, Overrides, Pipeline, fail, print_json
+from fedpilot.cli_common import AsJson, Db, Overrides, Pipeline, fail, print_json, program
 from fedpilot.errors import SpecError
 
 schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
@@ -44,7 +44,8 @@ def submit(
                                                            "(default: the search block's `trials`).")] = None,
     db: Db = None,
 ) -> None:
-    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id."""
+    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); say what was queued and how to
+    follow it (on stderr), then print the job id (alone on stdout, for scripts)."""
     from fedpilot.jobs.queue import prepare
     from fedpilot.jobs.queue import submit as queue
 
@@ -53,6 +54,10 @@ def submit(
         job_id = queue(_engine(db), fields)
     except SpecError as err:
         fail(err)
+    what = (f"a search bringing study {fields['study']} to {fields['trials']} trials" if search else "a run") + \
+        f" of pipeline {fields['pipeline']}"
+    typer.echo(f"queued job {job_id}: {what}\nfollow it: {program()} jobs show {job_id}  (status, attempts, "
+               f"MLflow run; a worker runs it: {program()} worker)", err=True)
     typer.echo(job_id)
 
 
@@ -145,15 +150,24 @@ def scheduler(
     once: Annotated[bool, typer.Option("--once", help="Fire what is due now and return.")] = False,
     poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at the schedules.")] = 30.0,
 ) -> None:
-    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study."""
-    from fedpilot.jobs.schedule import serve
+    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study. It logs its
+    start (the schedules it watches) and each firing."""
+    from fedpilot.jobs.schedule import serve, watching
 
     try:
         engine = _engine(db)
     except SpecError as err:
         fail(err)
-    queued = serve(engine, once=once, poll_seconds=poll_seconds)
+    _log(f"scheduler started: {watching(engine)}; looking every {poll_seconds:g} s" + (", once" if once else ""))
+    queued = serve(engine, once=once, poll_seconds=poll_seconds, log=_log)
     typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
+
+
+def _log(message: str) -> None:
+    """A line of a long-running command's log, with its UTC time."""
+    from fedpilot.db import utcnow
+
+    typer.echo(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {message}")
 
 
 @schedule_app.command("add")
@@ -167,7 +181,7 @@ def schedule_add(
     db: Db = None,
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials."""
-    from fedpilot.jobs.schedule import plan, store
+    from fedpilot.jobs.schedule import first_firings, plan, store
     from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.settings import cache_root
 
@@ -178,8 +192,8 @@ def schedule_add(
         store(_engine(db), schedule)
     except SpecError as err:
         fail(err)
-    typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC), +{schedule.trials} trials to study "
-               f"{schedule.study}")
+    typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC); firing k brings study {schedule.study} to k x "
+               f"{schedule.trials} trials\n{first_firings(_engine(db), schedule)}")
 
 
 @schedule_app.command("list")

@@ -45,6 +45,11 @@ def primary_metric(keys: Iterable[str]) -> str:
     return "acc" if "acc" in found or not found else found[0]
 
 
+def curve_keys(metric: str) -> tuple[str, ...]:
+    """The series the report draws: the validation mean and p10 of the per-client metric, the training loss."""
+    return f"val_{metric}_mean", f"val_{metric}_p10", "train_loss"
+
+
 def higher_is_better(metric: str) -> bool:
     return metric not in LOWER_IS_BETTER
 
@@ -78,7 +83,7 @@ class PipelineRun:
     name: str
     experiment_id: str
     stages: list[Stage]
-    label: str = ""  # what tells it from the other runs of a report (legends, columns); default its name
+    label: str  # what tells it from the other runs of a report (legends, columns): its name, or see `labelled`
 
     @property
     def metric(self) -> str:
@@ -116,9 +121,7 @@ def labelled(runs: list[PipelineRun]) -> list[PipelineRun]:
 
 def _stage(client: MlflowClient, run) -> Stage:
     run_id, metrics = run.info.run_id, run.data.metrics
-    metric = primary_metric(metrics)
-    curves = {key: _history(client, run_id, key) for key in (f"val_{metric}_mean", f"val_{metric}_p10", "train_loss")
-              if key in metrics}
+    curves = {key: _history(client, run_id, key) for key in curve_keys(primary_metric(metrics)) if key in metrics}
     return Stage(run.data.tags[STAGE_TAG], run_id, run.data.tags.get(CACHE_TAG, ""), dict(metrics),
                  _clients(client, run_id), curves)
 
@@ -245,8 +248,7 @@ def _points(frame: pd.DataFrame, name: str, color: str, legend: bool) -> go.Scat
 
 def curves_figure(runs: list[PipelineRun]) -> go.Figure | None:
     """Validation mean and p10 and the training loss over the pipeline's rounds (stages one after another)."""
-    keys = [k for k in (f"val_{runs[0].metric}_mean", f"val_{runs[0].metric}_p10", "train_loss")
-            if any(k in s.curves for r in runs for s in r.stages)]
+    keys = [k for k in curve_keys(runs[0].metric) if any(k in s.curves for r in runs for s in r.stages)]
     if not keys:
         return None
     fig = make_subplots(1, len(keys), subplot_titles=keys)
@@ -370,8 +372,6 @@ def pipeline_note(stages: list[tuple[str, str, dict[str, float]]]) -> str:
 
 
 # ---- the page ----------------------------------------------------------------------------------------------------
-
-
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
 h2{margin-top:32px;border-bottom:1px solid #ddd}p.how{color:#555;margin:4px 0 8px}
 table.summary{border-collapse:collapse}table.summary td,table.summary th{padding:4px 10px;text-align:right}
@@ -410,7 +410,13 @@ def render(runs: list[PipelineRun], tracking_uri: str = "") -> str:
     runs_line = "; ".join(f"{html.escape(r.name)}: run {r.run_id} (experiment {r.experiment_id})" for r in runs)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p class='how'>{runs_line}; tracking {html.escape(tracking_uri)}</p>{''.join(body)}</body></html>")
+            f"<p class='how'>{runs_line}; tracking {html.escape(_without_secrets(tracking_uri))}</p>{''.join(body)}"
+            "</body></html>")
+
+
+def _without_secrets(uri: str) -> str:
+    """A store URI without the user and password it may carry (postgresql://user:pass@host/db)."""
+    return re.sub(r"//[^/@]*@", "//", uri)
 
 
 def build(client: MlflowClient, run_ids: list[str]) -> str:

@@ -231,7 +231,8 @@ class Tracker:
         """The values a stage has once (its test distribution, footprints, shares of clients better and worse), at
         step 0 so that MLflow shows them as values; the per-client table; the histogram and before/after plots."""
         self.log_metrics(run_id, metrics, step=0)
-        self.client.log_table(run_id, {k: clients[k] for k in table_order(clients)}, CLIENTS_TABLE)
+        self.client.log_table(run_id, {k: [_shown(v) for v in clients[k]] for k in table_order(clients)},
+                              CLIENTS_TABLE)
         if not plot:
             return
         acc = np.asarray(clients["test_acc"], dtype=float)
@@ -256,6 +257,11 @@ class Tracker:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> Any:
+    """A float with the 6 significant digits it has (float32 metrics: 0.3333333433 -> 0.333333), else the value."""
+    return float(f"{value:.6g}") if isinstance(value, float) else value
 
 
 def table_order(columns: list[str]) -> list[str]:

@@ -60,7 +60,7 @@ def train_cases(devices: int) -> dict[str, dict[str, Any]]:
         trainer.fit(stage)
         results[name] = {"state": copy.deepcopy(stage.state_dict()), "history": stage.history,
                          "comm_bytes": stage.comm_bytes,
-                         "train": {k: stage.round_log[k] for k in ("train_loss", "train_acc", "bytes_up")}}
+                         "train": {k: stage.round_log[k] for k in ("train_loss", "train_acc")}}
     return results
 
 

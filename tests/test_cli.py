@@ -1,4 +1,5 @@
-"""The fedpilot command: help, data describe (text and JSON), clear errors with exit code 2."""
+"""The fedpilot command: help, data describe (text and JSON), clear errors with exit code 2, what validate shows,
+the stage table."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import yaml
 from typer.testing import CliRunner
 
-from fedpilot.cli import app
+from fedpilot.cli import app, format_outcomes
+from fedpilot.spec import PipelineSpec, load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -52,3 +56,35 @@ def test_missing_file_and_yaml_syntax_error(tmp_path):
     broken.write_text("name: x\nstages: [\n")
     result = runner.invoke(app, ["data", "describe", str(broken)])
     assert result.exit_code == 2 and "not valid YAML" in result.stderr
+
+
+def test_validate_prints_a_summary_and_full_prints_only_keys_that_apply(tmp_path):
+    path = str(ROOT / "pipelines" / "quickstart.yaml")
+    result = runner.invoke(app, ["validate", path, "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.splitlines()) < 15 and "100 clients (dirichlet alpha=0.3" in result.stdout
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[3:6]}
+    assert rows["pretrain"].split()[1:4] == ["fedavg", "100", "10"] and "none" in rows["pretrain"]
+    assert "output_layer" in rows["personalize"] and rows["personalize"].endswith("lr_v=0.01")  # set, not defaults
+    assert "each client once" in rows["finetune"]
+
+    result = runner.invoke(app, ["validate", path, "--full", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    full, spec = yaml.safe_load(result.stdout), load_pipeline(path)
+    assert "classes_per_client" not in full["dataset"]["partition"] and "column" not in full["dataset"]["partition"]
+    assert "adapter_dim" not in full["personalization"] and "gamma" not in full["stages"][0]["local"]["schedule"]
+    assert "server" not in full["stages"][2] and "betas" not in full["stages"][0]["server"]
+    expected = spec.resolved()
+    for stage in expected["stages"]:
+        stage["eval_every"] = 10  # shown as the value in force
+    assert PipelineSpec.from_dict(full).resolved() == expected  # nothing that applies was left out
+
+
+def test_stage_table_shows_clients_better_and_worse():
+    stages = [SimpleNamespace(name="pretrain", cache="miss", metrics={"test_acc_mean": 0.8, "test_acc_p10": 0.5}),
+              SimpleNamespace(name="finetune", cache="hit", metrics={"test_acc_mean": 0.79, "test_acc_p10": 0.5,
+                                                                     "test_acc_frac_better": 0.04,
+                                                                     "test_acc_frac_worse": 0.08})]
+    lines = format_outcomes(stages, "acc").splitlines()
+    assert lines[0] == "per-client test accuracy" and lines[1].split()[-2:] == ["better", "worse"]
+    assert lines[3].split() == ["finetune", "hit", "0.790", "0.500", "4%", "8%"]

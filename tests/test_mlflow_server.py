@@ -61,13 +61,23 @@ def mlflow_server(tmp_path_factory):
 
 
 def test_pipeline_against_a_real_tracking_server(mlflow_server, tmp_path):
-    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "FEDPILOT_CACHE": str(tmp_path / "cache")}
+    srun = tmp_path / "bin" / "srun"  # on the PATH, Lightning hints at Slurm on every Trainer
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "FEDPILOT_CACHE": str(tmp_path / "cache"),
+           "PATH": f"{srun.parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", "run", str(write_pipeline(tmp_path)), "--no-progress"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "mlflow.db").exists()  # everything went to the server
+    for hint in ("srun", "View run", "View experiment", "Downloading artifacts"):  # no third-party hints
+        assert hint not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     client = MlflowClient(mlflow_server)
     parent = client.get_run(run_id_of(proc.stdout))
+    page = f"{mlflow_server}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+    assert f"browse: {page}?workflowType=machine_learning" in proc.stdout
+    assert f"report: {page}/artifacts/report.html?workflowType=machine_learning" in proc.stdout
     assert parent.data.tags["fedpilot.pipeline"] == "small" and parent.info.status == "FINISHED"
     stages = client.search_runs(parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
                                 order_by=["tags.`fedpilot.stage_index` ASC"])

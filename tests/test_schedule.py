@@ -4,15 +4,27 @@ schedulers, coalescing of missed firings, pause/resume/remove, and cron errors."
 from __future__ import annotations
 
 import json
+import re
 import threading
 from datetime import datetime, timedelta, timezone
 
+import optuna
 import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from fedpilot.db import Firing, Job, connect, session_factory
 from fedpilot.errors import SpecError
-from fedpilot.jobs.schedule import add, fire, latest_due, list_schedules, remove, serve, set_paused, tick
+from fedpilot.jobs.schedule import (
+    add,
+    fire,
+    first_firings,
+    latest_due,
+    list_schedules,
+    remove,
+    serve,
+    set_paused,
+    tick,
+)
 from pipeline_fixtures import cli, write_pipeline
 from test_jobs import TINY
 
@@ -47,7 +59,9 @@ def test_firings_targets_duplicates_and_coalescing(db_url, searchable):
     assert serve(connect(db_url), now=lambda: clock[0], once=True) == []  # a second scheduler, same instant
     assert fire(engine, schedule, at(10)) is None
     clock[0] = at(60)  # the scheduler was down from 00:10 to 01:00: one firing, for 01:00
-    assert len(serve(engine, now=lambda: clock[0], once=True)) == 1
+    log: list[str] = []
+    assert len(serve(engine, now=lambda: clock[0], once=True, log=log.append)) == 1
+    assert log == ["schedule tiny fired: job 2, a search bringing study tiny to 10 trials"]
     assert queued_searches(engine) == [(5, "tiny"), (10, "tiny")]
     with session_factory(engine)() as session:
         assert [f.fire_time for f in session.query(Firing).order_by(Firing.id)] == [at(10), at(60)]
@@ -110,7 +124,10 @@ def test_bad_cron_is_a_spec_error_and_exit_2(cron, searchable, tmp_path):
 def test_schedule_cli(searchable, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "cache"))  # `schedule add` builds the dataset to check it
     db = ["--db", f"sqlite:///{tmp_path}/p.db"]
-    assert cli("schedule", "add", str(searchable), "--cron", "0 2 * * *", "--trials", "3", "--name", "nightly", *db)[0] == 0
+    code, output = cli("schedule", "add", str(searchable), "--cron", "0 2 * * *", "--trials", "3", "--name", "nightly",
+                       *db)
+    assert code == 0 and "firing k brings study nightly to k x 3 trials" in output
+    assert re.search(r"first firing 20\d\d-\d\d-\d\d 02:00 UTC: adds 3 trials \(the study has 0\)", output), output
     code, output = cli("schedule", "add", str(searchable), "--cron", "0 3 * * *", "--trials", "3", "--name", "nightly",
                        *db)
     assert code == 2 and "--name='nightly': a schedule with this name exists" in output
@@ -122,7 +139,24 @@ def test_schedule_cli(searchable, tmp_path, monkeypatch):
     assert code == 0 and [(r["name"], r["paused"], r["study"]) for r in json.loads(output)] == [("nightly", True,
                                                                                                  "nightly")]
     assert cli("schedule", "resume", "nightly", *db)[0] == 0
-    assert cli("scheduler", "--once", *db) == (0, "queued jobs: none\n")
+    code, output = cli("scheduler", "--once", *db)
+    assert code == 0 and output.splitlines()[-1] == "queued jobs: none", output
+    assert re.fullmatch(r"\S+ \S+Z scheduler started: 1 schedule \(0 paused\), next firing: nightly at \S+; "
+                        r"looking every 30 s, once", output.splitlines()[0]), output
     assert cli("schedule", "remove", "nightly", *db)[0] == 0
     code, output = cli("schedule", "remove", "nightly", *db)
     assert code == 2 and "no such schedule" in output
+
+
+def test_schedule_add_on_a_study_with_trials_says_its_first_firings_add_none(db_url, searchable):
+    study = optuna.create_study(storage=db_url, study_name="tiny")
+    for value in range(5):
+        study.add_trial(optuna.trial.create_trial(value=float(value)))
+    engine = connect(db_url)
+    schedule = add(engine, searchable, [], "0 2 * * *", trials=3, now=at(0))
+    assert first_firings(engine, schedule, now=at(0)) == (
+        "first firing 2030-01-01 02:00 UTC: adds none, the study has 5 trials already; firing 2 is the first to "
+        "add (1)")
+    remove(engine, "tiny")
+    assert first_firings(engine, add(engine, searchable, [], "0 2 * * *", trials=8, now=at(0)), now=at(0)) == \
+        "first firing 2030-01-01 02:00 UTC: adds 3 trials (the study has 5)"

@@ -76,11 +76,18 @@ def data_describe(
 
 
 @app.command()
-def validate(pipeline: Pipeline, overrides: Overrides = None, cache_dir: CacheDir = None) -> None:
+def validate(
+    pipeline: Pipeline,
+    overrides: Overrides = None,
+    cache_dir: CacheDir = None,
+    full: Annotated[bool, typer.Option("--full", help="Print the whole resolved spec (every default filled in, "
+                                                      "without keys that do not apply).")] = False,
+) -> None:
     """Compose and validate a pipeline and run every check a run would (it builds the dataset, into the cache,
-    and the model); print the resolved spec (every default filled in) or the first error."""
+    and the model); print a summary of what will run (--full: the resolved spec) or the first error."""
     from omegaconf import OmegaConf
 
+    from fedpilot.overview import applicable, summary
     from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.settings import cache_root
     from fedpilot.spec import load_pipeline
@@ -88,10 +95,10 @@ def validate(pipeline: Pipeline, overrides: Overrides = None, cache_dir: CacheDi
     quiet_lightning()
     try:
         spec = load_pipeline(pipeline, overrides or [])
-        checked(lambda: prepare(spec, cache_dir or cache_root()))
+        prepared = checked(lambda: prepare(spec, cache_dir or cache_root()))
     except SpecError as err:
         fail(err)
-    typer.echo(OmegaConf.to_yaml(spec.resolved()).rstrip())
+    typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full else summary(spec, prepared and prepared.data.n_clients))
     count = f"{len(spec.stages)} stage{'s' if len(spec.stages) != 1 else ''}"
     typer.secho(f"ok: {pipeline} is a valid pipeline ({count}: "
                 f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)
@@ -137,33 +144,45 @@ def run(
     if runner.rank > 0:  # a DDP process Lightning started for `devices` > 1: it trains, rank 0 reports
         runner.follow(resume)
         return
-    typer.echo(f"pipeline {spec.name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
+    name = " ".join([spec.name, *(overrides or [])])  # the run's name says what differs from the pipeline file
+    typer.echo(f"pipeline {name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
                f"{runner.device.type} x{spec.devices}, tracking {runner.uri}")
     try:
         with reporting(result_file):
-            result = runner.run(resume=resume, started=lambda run_id: write_result(result_file, run_id=run_id))
+            result = runner.run(resume=resume, started=lambda run_id: write_result(result_file, run_id=run_id),
+                                name=None if resume else name)
     except Stopped as stop:
         typer.echo(f"\nstopped; continue with: {program()} run --resume {runner.run_id}", err=True)
         raise typer.Exit(stop.code) from None
     typer.echo("")
     typer.echo(format_outcomes(result.stages, runner.task.primary))
-    typer.echo(f"\nbrowse: {program()} ui   (MLflow UI on {result.tracking_uri}, experiment {result.experiment_id})")
+    typer.echo("")
+    typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, spec.tracking.plots))
     typer.echo(f"run_id: {result.run_id}")
 
 
-def format_outcomes(stages: list, metric: str = "acc") -> str:
-    """Per-stage distribution of the per-client test `metric` (the task's primary one), as a small text table."""
-    cols = ["mean", "weighted", "min", "p10", "p50", "p90"]
-    lines = [f"{'stage':<16}{'cache':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'better':>8}"]
-    for o in stages:
-        better = o.metrics.get(f"test_{metric}_frac_better")
-        lines.append(f"{o.name:<16}{o.cache:>6}" + "".join(f"{o.metrics.get(f'test_{metric}_' + c, float('nan')):9.3f}"
-                                                         for c in cols)
-                     + (f"{better:8.0%}" if better is not None else f"{'':>8}"))
-    return f"per-client test {METRIC_NAMES.get(metric, metric)}\n" + "\n".join(lines)
+def format_outcomes(stages: list, metric: str) -> str:
+    """Per stage, the distribution of the per-client test `metric` (the task's primary one) and the shares of
+    clients better and worse than after the stage before, as a small text table."""
+    from fedpilot.overview import aligned
+    from fedpilot.report import STATS, metric_label, stage_cells
+
+    rows = [["stage", "cache", *STATS, "better", "worse"]]
+    rows += [[o.name, o.cache, *stage_cells(o.metrics, metric).values()] for o in stages]
+    return f"per-client test {metric_label(metric)}\n" + "\n".join(aligned(rows, right=tuple(range(1, len(rows[0])))))
 
 
-METRIC_NAMES = {"acc": "accuracy", "mse": "mean squared error"}
+def where_to_look(uri: str, experiment_id: str, run_id: str, report: bool) -> str:
+    """The run's page in the MLflow UI and its report (a file when the artifacts are local)."""
+    from fedpilot.report import REPORT_ARTIFACT
+    from fedpilot.tracking import local_artifact, ui_url
+
+    page = ui_url(uri, experiment_id, run_id)
+    browse = f"browse: {page}" if uri.startswith(("http://", "https://")) else f"browse: {program()} ui, then {page}"
+    if not report:
+        return browse
+    path = local_artifact(uri, run_id, REPORT_ARTIFACT)
+    return f"{browse}\nreport: {path or ui_url(uri, experiment_id, run_id, REPORT_ARTIFACT)}"
 
 
 @app.command()
@@ -273,6 +292,30 @@ def compare(
 
 
 @app.command()
+def report(
+    run_ids: Annotated[list[str], typer.Argument(help="Pipeline run ids (the `run_id:` that `fedpilot run` prints); "
+                                                      "several are shown side by side.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The HTML file to write.")] = Path("report.html"),
+) -> None:
+    """Write the report of pipeline runs (per-client CDFs, before/after per client, curves, footprints, the
+    per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
+    trials side by side."""
+    from mlflow import MlflowClient
+
+    from fedpilot.report import build
+    from fedpilot.settings import tracking_uri
+    from fedpilot.tracking import quiet_mlflow
+
+    quiet_mlflow()
+    try:
+        page = build(MlflowClient(tracking_uri()), run_ids)
+    except SpecError as err:
+        fail(err)
+    output.write_text(page)
+    typer.echo(f"report of {len(run_ids)} run{'s' if len(run_ids) != 1 else ''}: {output.resolve()}")
+
+
+@app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port of the MLflow UI.")] = 5000,
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",
@@ -286,7 +329,8 @@ def ui(
     if uri.startswith(("http://", "https://")):
         typer.echo(f"the tracking store is a server: open {uri} in a browser")
         return
-    typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)")
+    typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)\nMLflow 3 opens experiments in "
+               "its GenAI view: switch to \"Model training\" at the top left once, or open the pages fedpilot run prints")
     os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                                "--host", host, "--port", str(port)])
 

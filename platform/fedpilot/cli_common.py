@@ -8,12 +8,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
 from fedpilot.errors import DataUnavailable, SpecError
 from fedpilot.jobs.result_file import write_result
+
+T = TypeVar("T")
 
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
 Overrides = Annotated[
@@ -72,14 +74,15 @@ def print_json(value: object) -> None:
     sys.stdout.write("\n")
 
 
-def checked(check: Callable[[], object]) -> None:
-    """Run the data checks of `validate` or `submit`; data this machine cannot reach is a warning, not an error
-    (the worker or cluster may reach it; `run` refuses it before creating anything)."""
+def checked(check: Callable[[], T]) -> T | None:
+    """Run the data checks of `validate` or `submit` (their result); data this machine cannot reach is a warning,
+    not an error (the worker or cluster may reach it; `run` refuses it before creating anything): None."""
     try:
-        check()
+        return check()
     except DataUnavailable as err:
         typer.secho(f"warning: {err}; the checks that need the data run again before anything is created",
                     fg=typer.colors.YELLOW, err=True)
+        return None
 
 
 @contextmanager

@@ -3,15 +3,19 @@
 Names other tools rely on: tag `fedpilot.pipeline` on the parent; `fedpilot.stage` and `fedpilot.cache`
 (hit|miss) on each stage run; the distribution metrics `{val,test}_acc_{mean,weighted,std,min,p10,p25,p50,
 p75,p90,max}` and the memory metrics `shared_bytes personal_bytes_per_client personal_bank_bytes
-comm_bytes_per_round peak_memory_bytes` on each stage run.
+comm_bytes_per_round peak_memory_bytes` on each stage run, and each stage's as `<stage>/<metric>` on the parent.
+Experiments are tagged as model training (`mlflow.experimentKind`), so MLflow 3 does not treat them as GenAI.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
+import os
 import tempfile
 import traceback
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,13 +27,18 @@ import sqlalchemy
 from lightning.pytorch.callbacks import Callback
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
+from mlflow.utils.file_utils import local_file_uri_to_path
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot import plots
 from fedpilot.errors import SpecError
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
-SPEC_ARTIFACT = "pipeline.json"
+SPEC_ARTIFACT, CLIENTS_TABLE = "pipeline.json", "clients.json"
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
+NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page
+MAX_RUN_NAME = 250
+UI_URL = "http://127.0.0.1:5000"  # where `fedpilot ui` serves a local store
 STOPPED = (KeyboardInterrupt, SystemExit, optuna.TrialPruned)  # ended on purpose: status KILLED, not FAILED
 
 
@@ -55,6 +64,15 @@ def schema_init_lock(url: str) -> Iterator[None]:
         engine.dispose()
     else:
         yield
+
+
+def quiet_mlflow() -> None:
+    """MLflow's notes in fedpilot's output are noise: creating its tables, system-metrics start and stop, download
+    progress bars, the "View run at" links of a tracking server (fedpilot prints its own)."""
+    for name in ("mlflow.system_metrics", "mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -85,13 +103,15 @@ def close_orphans(uri: str, run_id: str, reason: str) -> None:
 
 
 class RoundMetrics(Callback):
-    """Logs each round's metrics (training stats, and evaluations when due) to a stage run; step = rounds done."""
+    """Logs each round's metrics (training stats, and validation when due) to a stage run; step = rounds done. The
+    test split, evaluated once at the stage's end, is logged with the stage's other once-per-stage values."""
 
     def __init__(self, tracker: Tracker, run_id: str):
         self.tracker, self.run_id = tracker, run_id
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        self.tracker.log_metrics(self.run_id, pl_module.round_log, step=trainer.global_step)
+        metrics = {k: v for k, v in pl_module.round_log.items() if not k.startswith("test_")}
+        self.tracker.log_metrics(self.run_id, metrics, step=trainer.global_step)
 
 
 class Tracker:
@@ -105,13 +125,20 @@ class Tracker:
         with schema_init_lock(uri):
             self.client = MlflowClient(uri)
             found = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            kind, value = EXPERIMENT_KIND
+            if found is None:
+                self.experiment_id = self.client.create_experiment(experiment, tags={kind: value})
+            else:
+                self.experiment_id = found.experiment_id
+                if kind not in found.tags:  # created by an older fedpilot, or by hand
+                    self.client.set_experiment_tag(self.experiment_id, kind, value)
 
     # ---- runs ------------------------------------------------------------------------------------------------
     def start_pipeline(self, spec: dict[str, Any], dataset: dict[str, Any], checkpoints: str,
-                       tags: dict[str, str] | None = None) -> str:
-        """The parent run: the resolved spec as params and artifact, the dataset summary and fingerprint."""
-        run = self.client.create_run(self.experiment_id, run_name=spec["name"], tags={
+                       tags: dict[str, str] | None = None, name: str | None = None) -> str:
+        """The parent run, named `name` (default: the pipeline's): the resolved spec as params and artifact, the
+        dataset summary and fingerprint."""
+        run = self.client.create_run(self.experiment_id, run_name=(name or spec["name"])[:MAX_RUN_NAME], tags={
             PIPELINE_TAG: spec["name"], "fedpilot.checkpoints": checkpoints,
             "fedpilot.dataset_fingerprint": dataset["fingerprint"], **(tags or {})})
         run_id = run.info.run_id
@@ -124,7 +151,9 @@ class Tracker:
         return run_id
 
     def start_stage(self, parent: str, index: int, name: str, algorithm: str, tags: dict[str, str]) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=f"{index}-{name}", tags={
+        """A stage's run nested under `parent`, named `<stage> · <parent's name>` (legends and tables tell which)."""
+        label = self.client.get_run(parent).info.run_name
+        run = self.client.create_run(self.experiment_id, run_name=f"{name} · {label}"[:MAX_RUN_NAME], tags={
             MLFLOW_PARENT_RUN_ID: parent, STAGE_TAG: name, "fedpilot.stage_index": str(index),
             "fedpilot.algorithm": algorithm, **tags})
         return run.info.run_id
@@ -190,17 +219,21 @@ class Tracker:
 
     # ---- what a stage records -------------------------------------------------------------------------------
     def log_history(self, run_id: str, history: list[dict[str, Any]]) -> None:
-        """Evaluation curves of a stage whose rounds were not logged live (a stage reused from the cache)."""
+        """Validation curves of a stage whose rounds were not logged live (a stage reused from the cache); its test
+        evaluation is one of the values log_stage_results logs once."""
         for entry in history:
-            metrics = {k: v for k, v in entry.items() if k not in {"round", "split"}}
-            self.log_metrics(run_id, metrics, step=int(entry["round"]))
+            if entry["split"] != "test":
+                metrics = {k: v for k, v in entry.items() if k not in {"round", "split"}}
+                self.log_metrics(run_id, metrics, step=int(entry["round"]))
 
     def log_stage_results(self, run_id: str, name: str, clients: dict[str, Any], metrics: dict[str, float],
                           previous: tuple[str, dict[str, np.ndarray]] | None, plot: bool, metric: str = "acc") -> None:
-        """Final metrics, the per-client table, and the histogram and before/after plots of one stage's per-client
-        `metric` (the task's primary one) on the test split."""
-        self.log_metrics(run_id, metrics, step=int(metrics.get("rounds", 0)))
-        self.client.log_table(run_id, clients, "clients.json")
+        """The values a stage has once (its test distribution, footprints, shares of clients better and worse), at
+        step 0 so that MLflow shows them as values; the per-client table; the histogram and before/after plots of
+        the per-client `metric` (the task's primary one) on the test split."""
+        self.log_metrics(run_id, metrics, step=0)
+        self.client.log_table(run_id, {k: [_shown(v) for v in clients[k]] for k in table_order(clients)},
+                              CLIENTS_TABLE)
         if not plot:
             return
         values = np.asarray(clients[f"test_{metric}"], dtype=float)
@@ -213,12 +246,54 @@ class Tracker:
 
     def log_pipeline_results(self, run_id: str, accuracy: dict[str, np.ndarray], summary: list[dict[str, Any]],
                              plot: bool, metric: str = "acc") -> None:
-        """On the parent: the per-stage summary table and the CDF plot of the per-client `metric` by stage."""
+        """On the parent: each stage's numbers as `<stage>/<metric>` (the runs table and the compare view show
+        whole pipelines side by side), the last stage's as `final_<metric>`, the per-stage summary table, the
+        CDF plot of the per-client `metric` comparing stages."""
         self.client.log_table(run_id, {k: [row[k] for row in summary] for k in summary[0]}, "stages.json")
-        last = summary[-1]
-        self.log_metrics(run_id, {f"final_{k}": v for k, v in last.items() if isinstance(v, float)})
+        numbers = [{k: v for k, v in row.items() if _is_number(v)} for row in summary]
+        self.log_metrics(run_id, {f"{row['stage']}/{k}": v for row, nums in zip(summary, numbers, strict=True)
+                                  for k, v in nums.items()})
+        self.log_metrics(run_id, {f"final_{k}": v for k, v in numbers[-1].items()})
         if plot:
             self.client.log_figure(run_id, plots.accuracy_cdf(accuracy, metric=metric), f"plots/test_{metric}_cdf.png")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> Any:
+    """A float with the 6 significant digits it has (float32 metrics: 0.3333333433 -> 0.333333), else the value."""
+    return float(f"{value:.6g}") if isinstance(value, float) else value
+
+
+def table_order(columns: list[str]) -> list[str]:
+    """Per-client table columns in reading order: the client's name, its test, previous and validation metrics, its
+    sample counts, the rest, and its index last (the table is wide; what matters first is on screen)."""
+    def rank(column: str) -> int:
+        if column.endswith("_samples"):
+            return 4
+        prefixes = ("name", "test_", "previous_", "val_")
+        first = next((i for i, p in enumerate(prefixes) if column.startswith(p)), None)
+        return first if first is not None else 6 if column == "client" else 5
+
+    return sorted(columns, key=rank)
+
+
+def ui_url(uri: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+    """The MLflow UI page of a run (or of one of its artifacts) in the model-training view: MLflow 3.17's UI takes
+    the view from the page's `workflowType`, not from the experiment's kind."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else UI_URL
+    page = f"{base}/#/experiments/{experiment_id}/runs/{run_id}" + (f"/artifacts/{artifact}" if artifact else "")
+    return f"{page}?workflowType=machine_learning"
+
+
+def local_artifact(uri: str, run_id: str, path: str) -> Path | None:
+    """The file of a run's artifact when the run's artifacts are a local folder, else None."""
+    location = MlflowClient(uri).get_run(run_id).info.artifact_uri
+    if urllib.parse.urlparse(location).scheme not in ("", "file"):
+        return None
+    return Path(local_file_uri_to_path(location)) / path
 
 
 def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from sqlalchemy.exc import IntegrityError
 from fedpilot.db import Lease, connect
 from fedpilot.errors import SpecError
 from fedpilot.pipeline import PipelineRunner
+from fedpilot.report import log_report
 from fedpilot.settings import tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
 from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
@@ -217,6 +218,7 @@ class Search:
             time.sleep(1.0)  # other processes' trials are running; one may still fail and need a retry
         self.lease.release()
         self._log_best(plots=True)
+        self._log_report()
         return self._result()
 
     def _objective(self, trial: optuna.Trial) -> float | list[float]:
@@ -229,7 +231,8 @@ class Search:
         try:
             result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
                                                            "fedpilot.study": self.study_name},
-                                started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id))
+                                started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id),
+                                name=trial_name(self.spec.name, trial.number, values))
         except optuna.TrialPruned:
             self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
             raise
@@ -311,6 +314,20 @@ class Search:
             figure.set_size_inches(8, 5)
             self.tracker.client.log_figure(self.run_id, figure, f"plots/{name}.png")
 
+    def _log_report(self, top: int = 5) -> None:
+        """The search run's `report.html`: its best finished trials side by side (the Pareto front's when several
+        objectives); trials themselves log no report."""
+        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if "mlflow_run_id" in t.user_attrs]
+        if not done or not self.spec.tracking.plots:
+            return
+        if len(self.search.objective) == 1:
+            sign = -1 if self.search.objective[0].direction == "maximize" else 1
+            ranked = sorted(done, key=lambda t: sign * t.value)
+        else:
+            ranked = [t for t in self.study.best_trials if "mlflow_run_id" in t.user_attrs]
+        log_report(self.tracker.client, self.run_id, [t.user_attrs["mlflow_run_id"] for t in ranked[:top]])
+
     def _result(self) -> SearchResult:
         finished = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
         pruned = sum(t.state == TrialState.PRUNED for t in finished)
@@ -320,6 +337,24 @@ class Search:
             best_values, best_params = list(best.values), dict(best.params)
         return SearchResult(self.study_name, self.run_id, len(finished), pruned, best_values, best_params,
                             self.rounds_trained)
+
+
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """Each dotted key by its shortest ending that tells it from the others (stages.1.params.lr_v -> lr_v)."""
+    short = {}
+    for key in keys:
+        words, n = key.split("."), 1
+        while any(other != key and other.split(".")[-n:] == words[-n:] for other in keys):
+            n += 1
+        short[key] = ".".join(words[-n:])
+    return short
+
+
+def trial_name(pipeline: str, number: int, values: dict[str, Any]) -> str:
+    """A trial's run name: its number and parameters, e.g. `quickstart trial 3: lr_v=0.0123 lr=0.00201`."""
+    names = short_keys(list(values))
+    shown = " ".join(f"{names[k]}={v:.3g}" if isinstance(v, float) else f"{names[k]}={v}" for k, v in values.items())
+    return f"{pipeline} trial {number}: {shown}"
 
 
 def _short(values: dict[str, Any]) -> str:

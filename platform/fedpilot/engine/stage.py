@@ -104,7 +104,10 @@ class FederatedStage(L.LightningModule):
         stats = self.run_round(round_idx)
         self.rounds_run += 1
         self.comm_bytes.append(stats["bytes_up"] + stats["bytes_down"])
-        self.round_log = {"round_time_s": time.perf_counter() - start, **stats}
+        # Per round only what changes: the cohort size and the bytes sent are the stage's constants, reported once
+        # with its footprints (comm_bytes_per_round).
+        self.round_log = {"round_time_s": time.perf_counter() - start,
+                          **{k: v for k, v in stats.items() if k not in ("clients", "bytes_up", "bytes_down")}}
         self.log("train_loss", stats["train_loss"], on_step=True, prog_bar=True)
         last = round_idx + 1 == self.n_rounds
         if last or (round_idx + 1) % self.config.eval_every == 0:

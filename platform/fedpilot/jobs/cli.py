@@ -23,6 +23,7 @@ from fedpilot.cli_common import (
     To,
     fail,
     print_json,
+    program,
     where,
 )
 from fedpilot.errors import SpecError
@@ -90,8 +91,9 @@ def submit(
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
-    """Validate a pipeline and queue it as a job (its resolved spec is frozen now); print the job id. With `--to
-    slurm` the job is submitted to Slurm (sbatch through submitit) and runs there."""
+    """Validate a pipeline and queue it as a job (its resolved spec is frozen now), or with `--to slurm` submit it
+    to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
+    print the job ids (alone on stdout, for scripts)."""
     from fedpilot.jobs.queue import prepare
 
     flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
@@ -102,6 +104,12 @@ def submit(
         ids = send(fields, target, flags, parallel, db)
     except SpecError as err:
         fail(err)
+    what = (f"a search bringing study {fields['study']} to {fields['trials']} trials" if search else "a run") + \
+        f" of pipeline {fields['pipeline']}" + (" on Slurm" if target == "slurm" else "")
+    worker = "" if target == "slurm" else f"; a worker runs it: {program()} worker"
+    for job_id in ids:
+        typer.echo(f"queued job {job_id}: {what}\nfollow it: {program()} jobs show {job_id}  (status, attempts, "
+                   f"MLflow run{worker})", err=True)
     typer.echo(" ".join(map(str, ids)))
 
 
@@ -207,15 +215,24 @@ def scheduler(
     once: Annotated[bool, typer.Option("--once", help="Fire what is due now and return.")] = False,
     poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at the schedules.")] = 30.0,
 ) -> None:
-    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study."""
-    from fedpilot.jobs.schedule import serve
+    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study. It logs its
+    start (the schedules it watches) and each firing."""
+    from fedpilot.jobs.schedule import serve, watching
 
     try:
         engine = _engine(db)
     except SpecError as err:
         fail(err)
-    queued = serve(engine, once=once, poll_seconds=poll_seconds)  # a schedule --to slurm submits to Slurm
+    _log(f"scheduler started: {watching(engine)}; looking every {poll_seconds:g} s" + (", once" if once else ""))
+    queued = serve(engine, once=once, poll_seconds=poll_seconds, log=_log)  # a schedule --to slurm submits to Slurm
     typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
+
+
+def _log(message: str) -> None:
+    """A line of a long-running command's log, with its UTC time."""
+    from fedpilot.db import utcnow
+
+    typer.echo(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {message}")
 
 
 @schedule_app.command("add")
@@ -234,7 +251,7 @@ def schedule_add(
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials. With `--to
     slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
-    from fedpilot.jobs.schedule import plan, store
+    from fedpilot.jobs.schedule import first_firings, plan, store
     from fedpilot.pipeline import prepare, quiet_lightning
     from fedpilot.settings import cache_root
 
@@ -257,8 +274,9 @@ def schedule_add(
         store(_engine(db), schedule)
     except SpecError as err:
         fail(err)
-    typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC), +{schedule.trials} trials to study "
-               f"{schedule.study}{' on Slurm' if schedule.backend else ''}")
+    typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC){' on Slurm' if schedule.backend else ''}; "
+               f"firing k brings study {schedule.study} to k x {schedule.trials} trials\n"
+               f"{first_firings(_engine(db), schedule)}")
 
 
 @schedule_app.command("list")

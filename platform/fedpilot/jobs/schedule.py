@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.triggers.cron import CronTrigger
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import QUEUED, Firing, Job, Schedule, session_factory, utcnow
@@ -182,11 +182,62 @@ def fire(engine: Engine, schedule: Schedule, now: datetime) -> list[int] | None:
 
 
 def serve(engine: Engine, *, now: Callable[[], datetime] = utcnow, once: bool = False,
-          poll_seconds: float = 30.0) -> list[int]:
-    """The scheduler loop: tick every `poll_seconds` (one tick with `once`); the job ids queued."""
+          poll_seconds: float = 30.0, log: Callable[[str], None] = lambda line: None) -> list[int]:
+    """The scheduler loop: tick every `poll_seconds` (one tick with `once`), `log` each firing; the job ids queued."""
     queued: list[int] = []
     while True:
-        queued += tick(engine, now())
+        fired = tick(engine, now())
+        for job_id in fired:
+            log(firing(engine, job_id))
+        queued += fired
         if once:
             return queued
         time.sleep(poll_seconds)
+
+
+def firing(engine: Engine, job_id: int) -> str:
+    """What a firing queued, in a line."""
+    with session_factory(engine)() as session:
+        job = session.get(Job, job_id)
+        schedule = session.get(Schedule, job.schedule_id)
+    return (f"schedule {schedule.name if schedule else job.schedule_id} fired: job {job.id}, a search bringing study "
+            f"{job.study} to {job.trials} trials")
+
+
+def watching(engine: Engine, now: datetime | None = None) -> str:
+    """The schedules a scheduler watches and the next firing, in a line."""
+    rows = list_schedules(engine, now)
+    paused = sum(r["paused"] for r in rows)
+    upcoming = min((r for r in rows if r["next_fire_time"]), key=lambda r: r["next_fire_time"], default=None)
+    return (f"{len(rows)} schedule{'s' if len(rows) != 1 else ''} ({paused} paused)"
+            + (f", next firing: {upcoming['name']} at {upcoming['next_fire_time']}" if upcoming else ""))
+
+
+def study_trials(engine: Engine, study: str) -> int:
+    """The trials of an Optuna study in the platform database that count towards a firing's total (finished,
+    running or waiting); 0 for a study that does not exist yet."""
+    from optuna.storages import RDBStorage
+
+    from fedpilot.tuning import STARTED
+
+    if not inspect(engine).has_table("studies"):
+        return 0
+    storage = RDBStorage(engine.url.render_as_string(hide_password=False), skip_table_creation=True)
+    try:
+        study_id = storage.get_study_id_from_name(study)
+    except KeyError:
+        return 0
+    return len(storage.get_all_trials(study_id, deepcopy=False, states=STARTED))
+
+
+def first_firings(engine: Engine, schedule: Schedule, now: datetime | None = None) -> str:
+    """What a new schedule's firings add, given the trials its study has: firing k brings it to k x trials in all,
+    so a study that has them already gains nothing at its first firings."""
+    have, per = study_trials(engine, schedule.study), schedule.trials
+    adding = have // per + 1  # the first firing that adds trials
+    upcoming = trigger(schedule.cron).get_next_fire_time(None, now or utcnow())
+    first = f"first firing {upcoming:%Y-%m-%d %H:%M} UTC"
+    if adding == 1:
+        return f"{first}: adds {per - have} trial{'s' if per - have != 1 else ''} (the study has {have})"
+    return (f"{first}: adds none, the study has {have} trials already; firing {adding} is the first to add "
+            f"({adding * per - have})")

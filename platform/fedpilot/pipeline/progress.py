@@ -9,6 +9,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from fedpilot.tracking import quiet_mlflow
+
 
 class RoundProgress(TQDMProgressBar):
     """Lightning's progress bar counting the stage's rounds, with the latest loss and val accuracy."""
@@ -37,9 +39,12 @@ class RoundProgress(TQDMProgressBar):
 
 
 def quiet_lightning() -> None:
-    """Lightning's per-fit banners and warnings that do not apply to federated stages are noise in a pipeline."""
-    for name in ("lightning.pytorch", "lightning.fabric", "mlflow.system_metrics"):
+    """Lightning's per-fit banners and warnings that do not apply to federated stages are noise in a pipeline, and so
+    are third-party hints: Lightning's SLURM hint (whenever `srun` is on the PATH) and MLflow's (quiet_mlflow)."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_mlflow()
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
     # Our round is the manual-optimization step; its checkpoint is meant to hold the state after it.
     warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

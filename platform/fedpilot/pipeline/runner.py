@@ -28,9 +28,10 @@ from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
 from fedpilot.pipeline.report import SPLITS, stage_report
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
+from fedpilot.report import log_report, pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, RoundMetrics, Tracker, flatten
+from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RoundMetrics, Tracker, flatten
 
 
 @dataclass
@@ -73,18 +74,21 @@ class PipelineRunner:
 
     # ---- the pipeline --------------------------------------------------------------------------------------
     def run(self, resume: str | None = None, parent: str | None = None, tags: dict[str, str] | None = None,
-            started: Callable[[str], None] = lambda run_id: None) -> PipelineResult:
-        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`;
+            started: Callable[[str], None] = lambda run_id: None, name: str | None = None) -> PipelineResult:
+        """Run (or resume) the pipeline; `parent` nests its run under another (a search), with extra `tags`; `name`
+        names its run (default: the pipeline's name; say what differs: overrides, a trial's parameters).
         `started(run_id)` is called as soon as the pipeline's run exists (a job's result file, a trial's record).
-        SIGINT or SIGTERM stop it after the current round with a checkpoint: its runs are KILLED, `--resume` goes on."""
+        SIGINT or SIGTERM stop it after the current round with a checkpoint: its runs are KILLED, `--resume` goes on.
+        A run of its own (not nested) ends with its report (`report.html`) when the pipeline has `tracking.plots`."""
         spec = self.spec
+        with_report = spec.tracking.plots and parent is None
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
             self.tracker.resume(run_id)
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
-                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra), {}
+                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra, name), {}
         self.run_id = parent = run_id
         started(run_id)
         if not resume and self.data.folder is not None and (self.data.folder / "tokenizer.json").is_file():
@@ -97,6 +101,9 @@ class PipelineRunner:
                        for o in outcomes]
             self.tracker.log_pipeline_results(parent, {o.name: o.accuracy["test"] for o in outcomes}, summary,
                                               spec.tracking.plots, self.task.primary)
+            self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes])})
+            if with_report:
+                log_report(self.tracker.client, parent)
             self.tracker.finish(parent)
             shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
         except BaseException as err:
@@ -229,7 +236,9 @@ class PipelineRunner:
         if log:
             previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s][stage.task.primary].numpy()
                                                            for s in SPLITS}) if before is not None else None
-            extra = {**report.memory, **{k: v for k, v in report.metrics.items() if "_frac_" in k}}
+            test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
+            extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
+                     **{k: v for k, v in report.metrics.items() if "_frac_" in k}}
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)

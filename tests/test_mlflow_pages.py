@@ -1,0 +1,182 @@
+"""What a researcher sees: the MLflow UI in headless Chromium on finished pipelines (model-training view, run names
+that say what differs, each stage's summary on the parent, the report artifact with its plots, the per-client table
+as a table), the side-by-side report as a file, and the pieces they are made of.
+
+Without Chromium and its driver the browser test skips on a developer machine and fails on CI (CI=true). Its
+screenshots stay in the test's tmp_path (pytest --basetemp=DIR keeps them where you like).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from fedpilot.report import human_bytes, primary_metric, table_figure
+from fedpilot.tracking import table_order
+from fedpilot.tuning import short_keys, trial_name
+from pipeline_fixtures import cli, run_id_of, write_pipeline
+from test_deploy import need
+from test_mlflow_server import free_port, wait_healthy
+
+STAGES = ("pretrain", "personalize", "finetune")
+PLOTS = "return [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg')).length"
+
+
+def test_primary_metric_comes_from_what_a_stage_recorded():
+    assert primary_metric(["test_acc_p10", "test_loss_weighted", "val_acc_p10"]) == "acc"
+    assert primary_metric(["test_mse_p10", "test_mae_p10", "test_mse_mean"]) == "mae"  # no acc: the first name
+    assert primary_metric(["shared_bytes"]) == "acc"
+
+
+def test_report_table_sorts_by_each_column_and_sizes_read_as_bytes():
+    table = pd.DataFrame({"name": ["a", "b", "c"], "finetune": [0.5, 1.0, 0.25]})
+    menu = table_figure(table).layout.updatemenus[0].buttons
+    by_label = {b.label: b.args[0]["cells.values"][0] for b in menu}
+    assert by_label["client order"][0] == ["a", "b", "c"]
+    assert by_label["finetune ↓"] == [["b", "a", "c"], ["1", "0.5", "0.25"]]
+    assert by_label["finetune ↑"][0] == ["c", "a", "b"]
+    assert [human_bytes(n) for n in (512, 1536, 5 * 2**20, 3 * 2**30)] == ["512 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
+
+
+def test_names_and_table_columns_put_what_differs_first():
+    keys = ["stages.1.params.lr_v", "stages.1.local.lr", "stages.2.local.lr"]
+    assert short_keys(keys) == {"stages.1.params.lr_v": "lr_v", "stages.1.local.lr": "1.local.lr",
+                                "stages.2.local.lr": "2.local.lr"}
+    assert trial_name("quickstart", 3, {keys[0]: 0.012345, keys[2]: 0.001}) == \
+        "quickstart trial 3: lr_v=0.0123 lr=0.001"  # short where unique
+    columns = ["client", "name", "train_samples", "val_samples", "test_samples", "val_acc", "val_loss", "test_acc",
+               "test_loss", "previous_test_acc", "gate_density"]
+    assert table_order(columns) == ["name", "test_acc", "test_loss", "previous_test_acc", "val_acc", "val_loss",
+                                    "train_samples", "val_samples", "test_samples", "gate_density", "client"]
+
+
+@contextmanager
+def mlflow_ui(workdir: Path) -> Iterator[str]:
+    """`mlflow server` on the working directory's store, stopped by its PID at the end."""
+    url, log = f"http://127.0.0.1:{free_port()}", workdir / "mlflow-ui.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                                 f"sqlite:///{workdir}/mlflow.db", "--host", "127.0.0.1", "--port",
+                                 url.rsplit(":", 1)[1], "--workers", "1"], cwd=workdir, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def chromium(profile: Path) -> Iterator:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = need("chromium", shutil.which("chromium") or shutil.which("chromium-browser"))
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000",
+                 f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(need("chromium-driver", shutil.which("chromedriver"))))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shown(driver, page: str, ready, timeout: float = 60) -> str:
+    """Open `page`, wait until `ready(body text)` holds, and return the body text."""
+    driver.get(page)
+    deadline = time.monotonic() + timeout
+    while True:
+        text = driver.find_element("tag name", "body").text
+        if ready(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
+def plots_in(driver, count: int, timeout: float = 60) -> int:
+    """The plotly figures the current document has drawn, once there are `count` (or the time is up)."""
+    deadline = time.monotonic() + timeout
+    while driver.execute_script(PLOTS) < count and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return driver.execute_script(PLOTS)
+
+
+@pytest.mark.slow
+def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_report(workdir):
+    path = write_pipeline(workdir)
+    outputs = [cli("run", str(path), f"stages.2.local.lr={lr}", "--no-progress") for lr in (0.01, 0.02)]
+    assert all(code == 0 for code, _ in outputs), outputs
+    run_ids = [run_id_of(output) for _, output in outputs]
+    client = MlflowClient()
+    parents = [client.get_run(r) for r in run_ids]
+    experiment = parents[0].info.experiment_id
+    assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
+    names = [p.info.run_name for p in parents]
+    assert names == ["small stages.2.local.lr=0.01", "small stages.2.local.lr=0.02"]
+    for parent in parents:
+        assert {f"{s}/test_acc_p10" for s in STAGES} <= set(parent.data.metrics)
+        assert parent.data.metrics["finetune/test_acc_p10"] == parent.data.metrics["final_test_acc_p10"]
+    browse = next(line for line in outputs[1][1].splitlines() if line.startswith("browse: "))
+    assert browse.endswith(f"/#/experiments/{experiment}/runs/{run_ids[1]}?workflowType=machine_learning")
+    both = workdir / "both.html"
+    code, output = cli("report", *run_ids, "--output", str(both))
+    assert code == 0 and str(both) in output, output
+
+    with mlflow_ui(workdir) as url, chromium(workdir / "chromium-profile") as driver:
+        view = "?workflowType=machine_learning"  # what the links fedpilot prints carry
+        runs_page = shown(driver, f"{url}/#/experiments/{experiment}{view}",
+                          lambda text: all(n in text for n in names))
+        driver.save_screenshot(str(workdir / "experiment-runs.png"))
+        assert all(n in runs_page for n in names), runs_page[:2000]
+        assert "Run Name" in runs_page and "Judges" not in runs_page  # the runs table, not the GenAI overview
+
+        page = f"{url}/#/experiments/{experiment}/runs/{run_ids[1]}"
+        def sections(text: str) -> set[str]:  # the chart sections of a run page: a title and its chart count
+            return set(re.findall(r"^(\S+)\n\(\d+\)$", text, re.MULTILINE))
+
+        metrics_page = shown(driver, f"{page}/model-metrics{view}", lambda text: set(STAGES) <= sections(text))
+        driver.save_screenshot(str(workdir / "parent-model-metrics.png"))
+        assert set(STAGES) <= sections(metrics_page), metrics_page[:2000]  # a section per stage
+
+        shown(driver, f"{page}/artifacts/report.html{view}", lambda text: "report.html" in text)
+        frame = None
+        deadline = time.monotonic() + 60
+        while frame is None and time.monotonic() < deadline:
+            frame = next(iter(driver.find_elements("tag name", "iframe")), None)
+            time.sleep(0.5)
+        assert frame is not None, driver.find_element("tag name", "body").text[:2000]
+        driver.switch_to.frame(frame)
+        assert plots_in(driver, 5) == 5  # CDF, before/after, curves, footprints, the per-client table
+        report_text = driver.find_element("tag name", "body").text
+        driver.switch_to.default_content()
+        driver.save_screenshot(str(workdir / "report-artifact.png"))
+        assert "fedpilot report: small stages.2.local.lr=0.02" in report_text
+        assert all(s in report_text for s in STAGES) and "better" in report_text and "worse" in report_text
+
+        stage = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_ids[1]}' and "
+                                                 "tags.`fedpilot.stage` = 'personalize'")[0]
+        table_page = shown(driver, f"{url}/#/experiments/{experiment}/runs/{stage.info.run_id}/artifacts/"
+                                   f"clients.json{view}", lambda text: "View as table" in text and "test_acc" in text)
+        driver.save_screenshot(str(workdir / "stage-clients-table.png"))
+        assert stage.info.run_name == f"personalize · {names[1]}"
+        assert "View as table" in table_page and table_page.index("name") < table_page.index("test_acc")
+
+        driver.get(both.as_uri())
+        assert plots_in(driver, 5) == 5
+        side_by_side = driver.find_element("tag name", "body").text
+        driver.set_window_size(1400, 3000)
+        driver.save_screenshot(str(workdir / "report-side-by-side.png"))
+        assert f"fedpilot report: {names[0]} vs {names[1]}" in side_by_side

@@ -8,7 +8,7 @@ import torch
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.api import Algorithm
 from fedpilot.engine import Cohort, LocalConfig, StageConfig, Upload
-from fedpilot.engine.local import choose_execution
+from fedpilot.engine.local import choose_execution, executor_candidates
 from fedpilot.testing import HEAD, INPUT, assert_close, assert_matches_sequential, run_stage
 
 CASES = [
@@ -39,11 +39,15 @@ def test_steps_budget_and_lr_schedule_match_sequential():
 
 def test_conv_model_matches_sequential():
     assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
-                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("loop", 4)))
+                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("loop", 4),
+                                                                        ("loop_channels_last", 4)))
 
 
 def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
+    """The rule of thumb for work no stage has timed; a stage times these candidates on its first round."""
     cnn, cpu = TinyCNN(), torch.device("cpu")
+    assert executor_candidates(cnn) == ["vmap", "loop", "loop_channels_last"]
+    assert executor_candidates(TinyMLP()) == ["vmap", "loop"]
     assert choose_execution("auto", cnn, cpu) == "loop"
     assert choose_execution("auto", cnn.head, cpu) == "vmap"  # head-only phases run on trunk features
     assert choose_execution("auto", TinyMLP(), cpu) == "vmap"

@@ -9,6 +9,7 @@ from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.engine.bank import ClientBank, starting_bank
+from fedpilot.engine.evaluate import evaluate_clients
 
 HEAD = ["head.weight", "head.bias"]
 
@@ -79,3 +80,58 @@ def test_checkpoints_write_the_changed_rows_and_resume_identically(tmp_path):
               enable_model_summary=False).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
     for name in HEAD:
         torch.testing.assert_close(resumed.bank.tensor(name), full.bank.tensor(name))
+
+
+def test_training_evaluates_a_seeded_sample_and_the_end_every_client():
+    config = StageConfig(rounds=4, clients_per_round=3, local=LocalConfig(steps=1, batch_size=4), eval_every=1,
+                         eval_clients=5)
+    torch.manual_seed(0)
+    stage = stage_for(TinyMLP(), HEAD, ToyData(), build_algorithm("fedalt"), config, seed=2)
+    samples = [stage.evaluation_sample() for _ in range(2)]
+    assert torch.equal(samples[0], samples[1]) and len(samples[0]) == 5  # the same clients at every evaluation
+    fit(stage)
+    during = [e for e in stage.history if e["round"] < 4]
+    assert len(during) == 3 and all(e["split"] == "val" for e in during)
+    assert stage.client_metrics["val"]["acc"].shape == (stage.data.n_clients,)  # the end: every client
+    scores, everyone = (evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task,
+                                         stage.shared_params(), stage.personal_of, stage.data, "val", "vmap", clients)
+                        for clients in (samples[0], None))
+    assert scores["acc"].shape == (5,)  # only the sample's clients, each with its own model
+    torch.testing.assert_close(scores["acc"], everyone["acc"][samples[0]])
+
+
+def test_flat_evaluation_without_personal_parameters_equals_the_per_client_one():
+    config = StageConfig(rounds=2, clients_per_round=3, local=LocalConfig(steps=1, batch_size=4))
+    torch.manual_seed(0)
+    stage = stage_for(TinyMLP(), [], ToyData(), build_algorithm("fedavg"), config, seed=2)
+    fit(stage)
+    shared, data = stage.shared_params(), stage.data
+    flat = evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, shared, stage.personal_of,
+                            data, "test", "loop", max_samples=7)  # batches that cut through clients
+    for c in range(data.n_clients):
+        lo, n = int(data.offsets["test"][c]), int(data.sizes["test"][c])
+        with torch.no_grad():
+            out = stage.model(data.inputs(data.x[lo : lo + n]))
+        torch.testing.assert_close(flat["acc"][c], (out.argmax(-1) == data.y[lo : lo + n]).float().mean())
+
+
+def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_path):
+    from fedpilot.engine.local import executor_candidates
+
+    def make(execution: str):
+        torch.manual_seed(0)
+        config = StageConfig(rounds=3, clients_per_round=4, local=LocalConfig(steps=2, batch_size=4),
+                             execution=execution)
+        return stage_for(TinyMLP(), HEAD, ToyData(), build_algorithm("fedalt"), config, seed=2)
+
+    auto = make("auto")
+    fit(auto)
+    assert set(auto.executor_seconds) == set(executor_candidates(auto.model)) == {"vmap", "loop"}
+    assert auto.execution == min(auto.executor_seconds, key=auto.executor_seconds.get)
+    pinned = make(auto.execution)
+    fit(pinned)
+    assert not pinned.executor_seconds  # a pinned executor is not timed
+    for name, value in auto.shared_params().items():  # timing trained nothing and drew no random numbers
+        assert torch.equal(value, pinned.shared_params()[name])
+    for name in HEAD:
+        assert torch.equal(auto.bank.tensor(name), pinned.bank.tensor(name))

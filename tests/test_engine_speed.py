@@ -45,7 +45,7 @@ def test_precision_defaults_to_float32_and_rejects_unknown_names(tmp_path):
     assert StageConfig().precision == "32-true"
     stage = {**SMALL["stages"][0], "precision": "bf16-mixed"}
     spec = load_pipeline(write_pipeline(tmp_path, {**SMALL, "stages": [stage]}), [])
-    assert spec.stages[0].engine_config(5).precision == "bf16-mixed"
+    assert spec.stages[0].engine_config(spec.evaluation).precision == "bf16-mixed"
     with pytest.raises(SpecError, match=r"stages\.0\.precision='bf16'"):
         load_pipeline(write_pipeline(tmp_path, {**SMALL, "stages": [{**stage, "precision": "bf16"}]}), [])
 

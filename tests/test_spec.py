@@ -54,7 +54,7 @@ def test_resolved_spec_merges_defaults_and_overrides():
     assert stage["rounds"] == 7 and stage["algorithm"] == "fedalt"
     assert stage["params"] == {"tau_v": None, "tau_u": None, "lr_v": 0.01, "lr_u": None, "stateful": True}
     assert spec.dataset.partition.alpha == 0.1
-    assert spec.stages[1].engine_config(spec.evaluation.every).eval_every == spec.evaluation.every
+    assert spec.stages[1].engine_config(spec.evaluation).eval_every == spec.evaluation.every
 
 
 BAD = [

@@ -373,7 +373,8 @@ class PersonalizationSpec(Strict):
 class StageSpec(StageConfig):
     """One stage: a registered algorithm with its `params`, plus the engine settings of StageConfig.
 
-    `personalization` overrides the pipeline's for this stage; `eval_every` defaults to `evaluation.every`.
+    `personalization` overrides the pipeline's for this stage; `eval_every` and `eval_clients` default to
+    `evaluation.every` and `evaluation.clients`.
     """
 
     name: str | None = None
@@ -382,15 +383,19 @@ class StageSpec(StageConfig):
     personalization: PersonalizationSpec | None = None
     eval_every: int | None = Field(None, ge=1)
 
-    def engine_config(self, eval_every: int) -> StageConfig:
+    def engine_config(self, evaluation: EvaluationSpec) -> StageConfig:
         fields = self.model_dump(include=set(StageConfig.model_fields))
-        return StageConfig.model_validate({**fields, "eval_every": self.eval_every or eval_every})
+        return StageConfig.model_validate({**fields, "eval_every": self.eval_every or evaluation.every,
+                                           "eval_clients": self.eval_clients or evaluation.clients})
 
 
 class EvaluationSpec(Strict):
-    """Every client is evaluated on its val split every `every` rounds, and on val and test at each stage's end."""
+    """Clients are evaluated on their val split every `every` rounds (all of them, or with `clients` a sample of
+    that many drawn with the pipeline's seed, the same sample at each evaluation of a stage), and every client on
+    val and test at each stage's end."""
 
     every: int = Field(10, ge=1)
+    clients: int | None = Field(None, ge=1)
 
 
 class TrackingSpec(Strict):

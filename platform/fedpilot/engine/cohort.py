@@ -16,6 +16,7 @@ from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.local import (
     Batches,
+    ChannelsLastLoopExecutor,
     LoopExecutor,
     Params,
     StepRule,
@@ -30,7 +31,8 @@ from fedpilot.models.split import ParamSplit
 
 Part = Literal["personal", "shared", "all"]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
-EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor, "sequential": SequentialExecutor}
+EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor,
+                              "loop_channels_last": ChannelsLastLoopExecutor, "sequential": SequentialExecutor}
 
 
 def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,7 @@ class RoundWork:
     seed_key: tuple[int, int, int]
     executor: str
     split: ParamSplit
+    measured: bool = False  # `executor` was timed on whole-model work: head-only work keeps the rule of thumb
     server_state: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
@@ -268,7 +271,8 @@ class Cohort:
         weight = plan.weight.to(work.x.device)
         head_only = work.head_only(list(trainable)) and not frozen
         module = work.model.head if head_only else work.model
-        chosen = EXECUTORS[choose_execution(work.executor, module, work.x.device)]
+        requested = "auto" if head_only and work.measured else work.executor
+        chosen = EXECUTORS[choose_execution(requested, module, work.x.device)]
         if chosen.uses_features and head_only:  # the shared body once, then the heads' steps on its features
             executor, split = chosen(plain_forward, work.task), work.split
             with torch.no_grad():

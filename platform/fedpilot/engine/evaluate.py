@@ -24,26 +24,49 @@ def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task: Task, shared: Params,
                      personal_of: Callable[[torch.Tensor], Params], data: ClientData, part: str, execution: str,
-                     max_samples: int = 16384, precision: str = "32-true") -> dict[str, torch.Tensor]:
-    """Each of the task's metrics per client [n_clients] on the data's split `part`; NaN for a client with no
-    samples there.
+                     clients: torch.Tensor | None = None, max_samples: int = 16384,
+                     precision: str = "32-true") -> dict[str, torch.Tensor]:
+    """Each of the task's metrics per client of `clients` (default: every client) on the data's split `part`;
+    NaN for a client with no samples there.
 
-    When only the head is personal, the shared body runs once over all samples of the split and the
-    personal heads run batched on its features. Forward passes run in the stage's `precision`.
+    With no personal parameters the model runs over the clients' samples as one flat sequence in large batches
+    (no padding) and the metrics are summed per client; when only the head is personal, the shared body runs
+    that way and the personal heads run batched on its features. Forward passes run in the stage's `precision`.
     """
-    x, sizes = data.x, data.sizes[part]
+    x = data.x
+    ids = torch.arange(data.n_clients, device=x.device) if clients is None else clients.to(x.device)
+    sizes = data.sizes[part].to(x.device)[ids]
+    index = client_major_index(data.offsets[part].to(x.device)[ids], sizes)
+    personal_of = (lambda of: lambda rows: of(ids[rows]))(personal_of)  # rows of `ids` -> their clients' params
     with precision_context(precision, x.device):
-        index = client_major_index(data.offsets[part], sizes)
+        if not personal_of(torch.arange(0, device=x.device)):
+            return _flat(lambda inputs: forward(model, shared, inputs), task, data, index, sizes, max_samples)
         if split.head_only(split.personal_names):
             body = split.in_body(shared)
             source = torch.cat([functional_call(model.body, body, (data.inputs(x[index[i : i + max_samples]]),))
                                 for i in range(0, len(index), max_samples)]) if len(index) else x[:0]
             module, fixed, forward = model.head, split.in_head(shared), _plain
-            personal_of = (lambda of: lambda clients: split.in_head(of(clients)))(personal_of)
+            personal_of = (lambda of: lambda rows: split.in_head(of(rows)))(personal_of)
         else:
             source, module, fixed = data.inputs(x[index]), model, shared
         return _per_client(module, forward, task, fixed, personal_of, source, data.y[index], sizes, execution,
                            max_samples)
+
+
+def _flat(apply: Callable[[torch.Tensor], torch.Tensor], task: Task, data: ClientData, index: torch.Tensor,
+          sizes: torch.Tensor, max_samples: int) -> dict[str, torch.Tensor]:
+    """One model for every client: the samples `index` (client after client) in batches of `max_samples`, each
+    metric's sums and units added up per client."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
+    sums = {m: (torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device),
+                torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device)) for m in task.metrics}
+    for i in range(0, len(index), max_samples):
+        rows = index[i : i + max_samples]
+        scores = task.scores(apply(data.inputs(data.x[rows])), data.y[rows])
+        for metric, (total, units) in scores.items():  # per sample
+            sums[metric][0].index_add_(0, owner[i : i + max_samples], total.double())
+            sums[metric][1].index_add_(0, owner[i : i + max_samples], units.double())
+    return {m: (total / units).float() for m, (total, units) in sums.items()}
 
 
 def _plain(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -128,10 +129,9 @@ def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[...
     return grad(loss, has_aux=True)
 
 
-def eager_client_grad(module: nn.Module, device: torch.device, forward: Forward,
-                      task: Task) -> Callable[..., tuple[Params, tuple]]:
-    """`client_grad` with plain autograd; image tensors channels-last where that layout is faster (`_channels_last`)."""
-    layout = _channels_last if _prefers_channels_last(device) else (lambda t: t)
+def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
+                      layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
+    """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
 
     def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
         leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
@@ -144,10 +144,8 @@ def eager_client_grad(module: nn.Module, device: torch.device, forward: Forward,
     return step
 
 
-def _prefers_channels_last(device: torch.device) -> bool:
-    """Channels-last convolutions on GPUs and AVX-512/AMX CPUs; NCHW on AVX2 CPUs (measured: bench/README.md)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return device.type != "cpu" or "AVX512" in capability or "AMX" in capability
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
@@ -258,6 +256,7 @@ class LoopExecutor(Executor):
     """One client after another, each with eager autograd over its own steps."""
 
     name = "loop"
+    layout = staticmethod(_as_stored)
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
@@ -266,7 +265,7 @@ class LoopExecutor(Executor):
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
 
         def client(k: int, module: nn.Module) -> None:
-            step_grad = eager_client_grad(module, device, self.forward, self.task)
+            step_grad = eager_client_grad(module, self.forward, self.task, self.layout)
             mine = {n: p[k : k + 1].copy_(trainable[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             my_rule = rule.for_client(k, trainable)
@@ -291,7 +290,7 @@ class LoopExecutor(Executor):
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
 
         def client(k: int, module: nn.Module) -> None:
-            step_grad = eager_client_grad(module, device, self.forward, self.task)
+            step_grad = eager_client_grad(module, self.forward, self.task, self.layout)
             mine, my_frozen = {n: p[k] for n, p in params.items()}, {n: p[k] for n, p in frozen.items()}
             for s in torch.nonzero(batches.active[k]).flatten().tolist():
                 g, (loss, acc) = step_grad(mine, my_frozen, fixed, batches.inputs(k, s), batches.labels[k, s],
@@ -307,16 +306,49 @@ class LoopExecutor(Executor):
         return _mean_of_steps(total, count)
 
 
-def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:
-    """The executor for training or evaluating `module`: `requested` unless it is "auto".
+class ChannelsLastLoopExecutor(LoopExecutor):
+    """The loop with images and convolution weights channels-last (faster on some CPUs and GPUs, slower on
+    others: a candidate the stage times, never chosen by a CPU flag)."""
 
-    auto: recurrent layers run per client (torch.func cannot vmap the fused RNN kernels), convolutions on CPU too
-    (vmap turns conv2d into a grouped convolution, slower than the loop), everything else is vmapped; a model's head alone (a Linear) is always vmapped (bench/README.md).
-    """
+    name = "loop_channels_last"
+    layout = staticmethod(_channels_last)
+
+
+def executor_candidates(module: nn.Module) -> list[str]:
+    """The executors a stage times on its first round: the loop, vmap unless the model has recurrent layers
+    (torch.func cannot vmap the fused RNN kernels), the channels-last loop when it has 2-d convolutions."""
+    kinds = {type(m) for m in module.modules()}
+    if any(issubclass(k, nn.RNNBase) for k in kinds):
+        return ["loop"]
+    return ["vmap", "loop", *(["loop_channels_last"] if any(issubclass(k, nn.Conv2d) for k in kinds) else [])]
+
+
+def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
+            repeats: int = 2) -> tuple[str, dict[str, float]]:
+    """The candidate whose `run(candidate)` takes least time (the best of `repeats` runs after a warm-up run: the
+    first call of vmap or of a new layout pays for tracing and allocation), and each one's seconds."""
+    seconds = {}
+    for name in candidates:
+        times = []
+        for _ in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds[name] = min(times[1:])
+    return min(seconds, key=seconds.__getitem__), seconds
+
+
+def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:
+    """The executor for training or evaluating `module`: `requested` (a stage's measured choice, or the user's)
+    unless it is "auto", which is the rule of thumb for work no stage has timed (bench/README.md): recurrent
+    layers and, on CPU, convolutions (vmap turns conv2d into a grouped convolution) per client, everything else
+    (a model's head alone, a Linear, included) vmapped."""
     if requested != "auto":
         return requested
-    kinds = {type(m) for m in module.modules()}
-    if any(issubclass(k, nn.RNNBase) for k in kinds):  # torch.func has no batching rule for the fused RNN kernels
-        return "loop"
-    has_conv = any(issubclass(k, nn.modules.conv._ConvNd) for k in kinds)
-    return "loop" if has_conv and device.type == "cpu" else "vmap"
+    candidates = executor_candidates(module)
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+    return "loop" if "vmap" not in candidates or (has_conv and device.type == "cpu") else "vmap"

@@ -21,7 +21,7 @@ from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.local import Params
+from fedpilot.engine.local import Params, executor_candidates, fastest
 from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
@@ -66,7 +66,8 @@ class FederatedStage(L.LightningModule):
         self.state_bank = ClientBank(algorithm.client_state(), data.n_clients, budget)
         self.changes_folder: Path | None = None  # set by save_changes_in()
         self.server_state = algorithm.server_state(data.n_clients)
-        self.execution = config.execution
+        self.execution = config.execution  # "auto" until the first round times the candidates
+        self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics, for loggers (step = rounds done)
@@ -100,6 +101,8 @@ class FederatedStage(L.LightningModule):
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         round_idx = self.global_step
+        if self.execution == "auto":
+            self.choose_executor(round_idx)
         start = time.perf_counter()
         stats = self.run_round(round_idx)
         self.rounds_run += 1
@@ -110,14 +113,17 @@ class FederatedStage(L.LightningModule):
                           **{k: v for k, v in stats.items() if k not in ("clients", "bytes_up", "bytes_down")}}
         self.log("train_loss", stats["train_loss"], on_step=True, prog_bar=True)
         last = round_idx + 1 == self.n_rounds
-        if last or (round_idx + 1) % self.config.eval_every == 0:
-            self.evaluate(["val", "test"] if last else ["val"], round_idx + 1)
+        if last:
+            self.evaluate(["val", "test"], round_idx + 1)
+        elif (round_idx + 1) % self.config.eval_every == 0:
+            self.evaluate(["val"], round_idx + 1, self.evaluation_sample())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The stage's records and server state; with a `changes_folder`, the banks as the chain of their changes
         since the stage started (each save writes only the rows written since the last one)."""
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
-                                  "server_state": self.server_state}
+                                  "server_state": self.server_state, "execution": self.execution,
+                                  "executor_seconds": self.executor_seconds}
         if self.changes_folder is None:
             return
         for name in ("bank", "state_bank"):
@@ -136,6 +142,9 @@ class FederatedStage(L.LightningModule):
         saved = checkpoint.get("fedpilot", {})
         self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
         self.server_state = dict(saved.get("server_state", self.server_state))
+        if self.config.execution == "auto":  # a resumed stage goes on with the executor it chose (same numbers)
+            self.execution = saved.get("execution", self.execution)
+            self.executor_seconds = dict(saved.get("executor_seconds", {}))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -158,7 +167,32 @@ class FederatedStage(L.LightningModule):
         return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, data=data, local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
                          seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
-                         split=self.split, server_state=self.server_state, precision=self.config.precision)
+                         split=self.split, measured=bool(self.executor_seconds), server_state=self.server_state,
+                         precision=self.config.precision)
+
+    def choose_executor(self, round_idx: int) -> None:
+        """Time each candidate executor on the local work of the round's first chunk of clients (thrown away:
+        nothing is written and the random state is restored) and keep the fastest for the stage. bf16 is never a
+        candidate: it changes the numbers; `precision: bf16-mixed` times the candidates under bf16. Under DDP
+        every process takes rank 0's choice."""
+        clients = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
+        rows = slice(0, len(clients))
+        work, shared = self.round_work(round_idx), self.shared_params()
+        personal, init = self.bank.get(clients), {n: v.to(self.device) for n, v in self.personal_init.items()}
+        state = self.state_bank.get(clients)
+
+        def local_work(executor: str) -> None:
+            mine = {n: v.clone() for n, v in personal.items()}, {n: v.clone() for n, v in state.items()}
+            cohort = Cohort(replace(work, executor=executor), clients, rows, clients, shared, mine[0], init, mine[1])
+            self.algorithm.local_update(cohort)
+
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            choice, self.executor_seconds = fastest(executor_candidates(self.model), local_work, self.device)
+        if distributed():
+            shared_choice = [choice, self.executor_seconds]
+            dist.broadcast_object_list(shared_choice, src=0)
+            choice, self.executor_seconds = shared_choice
+        self.execution = choice
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
         """Local work of the whole cohort (in chunks), aggregation, one server optimizer step.
@@ -225,16 +259,27 @@ class FederatedStage(L.LightningModule):
     def personal_of(self, clients: torch.Tensor) -> Params:
         return self.bank.get(clients)
 
-    def evaluate(self, splits: list[str], round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
-        """The task's metrics of every client on `splits`; logs `{split}_{metric}_weighted` for each metric and the
-        whole distribution `{split}_{metric}_{stat}` for the task's distributions (e.g. accuracy)."""
+    def evaluation_sample(self) -> torch.Tensor | None:
+        """The clients evaluated during training: a sample of `eval_clients` seeded by (seed, stage), the same at
+        every evaluation of the stage; None (every client) without `eval_clients`."""
+        n, size = self.data.n_clients, self.config.eval_clients
+        if size is None or size >= n:
+            return None
+        return torch.randperm(n, generator=round_generator(self.seed, self.stage_index, 0, 1))[:size].sort().values
+
+    def evaluate(self, splits: list[str], round_idx: int,
+                 clients: torch.Tensor | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """The task's metrics of `clients` (default: every client) on `splits`; logs `{split}_{metric}_weighted`
+        for each metric and the whole distribution `{split}_{metric}_{stat}` for the task's distributions (e.g.
+        accuracy). The per-client metrics of an evaluation of every client are kept for the stage's report."""
         results = {}
         for split in splits:
             scores = evaluate_clients(self.model, self.split, self.algorithm.forward, self.task, self.shared_params(),
-                                      self.personal_of, self.data, split, self.execution,
+                                      self.personal_of, self.data, split, self.execution, clients,
                                       precision=self.config.precision)
             results[split] = {m: v.cpu() for m, v in scores.items()}
             weights = self.data.sizes[split].cpu().double()
+            weights = weights if clients is None else weights[clients]
             summary = {}
             for metric, values in results[split].items():
                 stats = distribution(values, weights)
@@ -245,7 +290,8 @@ class FederatedStage(L.LightningModule):
             if split == "val" and shown in summary:
                 self.log(shown, summary[shown], on_step=True, prog_bar=True)
             self.history.append({"round": round_idx, "split": split, **summary})
-        self.client_metrics.update(results)
+        if clients is None:
+            self.client_metrics.update(results)
         return results
 
 

@@ -55,7 +55,8 @@ def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int
     payload = {"format": CACHE_FORMAT, "code": code, "fedpilot": version("fedpilot"), "previous": previous,
                "data": data.fingerprint, "model": spec.model.model_dump(mode="json"), "seed": spec.seed,
                "index": index, "stage": stage.model_dump(mode="json", exclude=NOT_IN_KEY), "split": split,
-               "eval_every": stage.eval_every or spec.evaluation.every, "device": device}
+               "eval_every": stage.eval_every or spec.evaluation.every,
+               "eval_clients": stage.eval_clients or spec.evaluation.clients, "device": device}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -113,6 +113,10 @@ def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
         if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
             raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,
                             f"the federation has only {data.n_clients} clients")
+        sampled = stage.eval_clients or spec.evaluation.clients
+        if sampled is not None and sampled > data.n_clients:
+            key = f"stages.{i}.eval_clients" if stage.eval_clients else "evaluation.clients"
+            raise SpecError(key, sampled, f"the federation has only {data.n_clients} clients")
     model = model_for(spec, data)
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
     check_devices(spec, device, algorithms, here)

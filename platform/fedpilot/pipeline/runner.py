@@ -143,7 +143,7 @@ class PipelineRunner:
         algorithm.prepare_model(self.model, self.data.feature_shape)
         split = apply_split(self.model, split_spec, dim)
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
-        config = stage_spec.engine_config(spec.evaluation.every)
+        config = stage_spec.engine_config(spec.evaluation)
         bank = carry_bank(before, split.personal_names) if before is not None else None
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task)
         return stage, split, key
@@ -238,7 +238,9 @@ class PipelineRunner:
                                                            for s in SPLITS}) if before is not None else None
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
-                     **{k: v for k, v in report.metrics.items() if "_frac_" in k}}
+                     **{k: v for k, v in report.metrics.items() if "_frac_" in k},
+                     **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()}}
+            self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # timed on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)

@@ -135,3 +135,28 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
         assert torch.equal(value, pinned.shared_params()[name])
     for name in HEAD:
         assert torch.equal(auto.bank.tensor(name), pinned.bank.tensor(name))
+
+
+def test_data_past_the_device_budget_stays_on_the_host_and_rounds_gather_their_cohort():
+    def make(budget: int | None):
+        torch.manual_seed(0)
+        config = StageConfig(rounds=3, clients_per_round=3, local=LocalConfig(epochs=1, batch_size=4), eval_every=1,
+                             device_data_budget=budget, execution="vmap")
+        return stage_for(TinyMLP(), HEAD, ToyData(), build_algorithm("fedalt"), config, seed=2)
+
+    whole, gathered = make(None), make(0)
+    fit(whole)
+    fit(gathered)
+    assert whole.data_on_device and not gathered.data_on_device
+    for name, value in whole.shared_params().items():
+        assert torch.equal(value, gathered.shared_params()[name])
+    for name in HEAD:
+        assert torch.equal(whole.bank.tensor(name), gathered.bank.tensor(name))
+    assert whole.history == gathered.history
+    cohort = torch.tensor([1, 4])
+    part = gathered.data.gather(cohort, torch.device("cpu"))
+    assert len(part.x) == int(gathered.data.sizes["train"][cohort].sum())  # only the cohort's training samples
+    for c in cohort.tolist():
+        lo, n = int(gathered.data.offsets["train"][c]), int(gathered.data.sizes["train"][c])
+        mine = int(part.offsets["train"][c])
+        assert torch.equal(part.x[mine : mine + n], gathered.data.x[lo : lo + n])

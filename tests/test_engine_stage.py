@@ -88,7 +88,7 @@ def test_fedavg_with_server_lr_one_is_the_weighted_mean_of_client_models():
     before = {n: v.clone() for n, v in stage.shared_params().items()}
     fit(stage)
     clients = stage.sample_cohort(0)
-    work = stage.round_work(0)
+    work = stage.round_work(0, clients)
     cohort = Cohort(work, clients, slice(0, len(clients)), clients, before, {}, {})
     local = cohort.sgd("shared").shared
     w = stage.data.sizes["train"][clients].float()

@@ -39,13 +39,41 @@ class ClientData:
                        mean=None if self.mean is None else self.mean.to(device),
                        std=None if self.std is None else self.std.to(device))
 
+    def nbytes(self) -> int:
+        return self.x.numel() * self.x.element_size() + self.y.numel() * self.y.element_size()
+
+    def gather(self, clients: torch.Tensor, device: torch.device) -> ClientData:
+        """The training samples of `clients` alone, on `device` (through pinned memory, copied asynchronously, to a
+        GPU): a round's data when the federation's stays on the host. Sizes stay the federation's; the offsets of
+        `clients` point into the gathered rows (no other client has rows here)."""
+        ids = clients.cpu()
+        offsets, sizes = self.offsets["train"].cpu(), self.sizes["train"].cpu()
+        rows = client_major_index(offsets[ids], sizes[ids])
+        x, y = self.x[rows], self.y[rows]
+        if device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        gathered = torch.zeros_like(offsets)
+        gathered[ids] = torch.cumsum(sizes[ids], 0) - sizes[ids]
+        return ClientData(x=x.to(device, non_blocking=True), y=y.to(device, non_blocking=True), scale=self.scale,
+                          offsets={"train": gathered.to(device)}, sizes={"train": sizes.to(device)},
+                          mean=None if self.mean is None else self.mean.to(device),
+                          std=None if self.std is None else self.std.to(device), augment=self.augment)
+
     def inputs(self, rows: torch.Tensor) -> torch.Tensor:
-        """Model inputs of stored `rows` [..., *sample shape]."""
+        """Model inputs of stored `rows` [..., *sample shape] (on the rows' device)."""
         if self.scale is not None:
             rows = rows.to(torch.float32) * self.scale
         if self.mean is not None:
-            rows = (rows - self.mean.view(-1, 1, 1)) / self.std.view(-1, 1, 1)
+            mean, std = self.mean.to(rows.device), self.std.to(rows.device)
+            rows = (rows - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
         return rows
+
+
+def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Indices of the samples of clients with these `offsets` and `sizes` (one split), client after client."""
+    starts = torch.cumsum(sizes, 0) - sizes
+    within = torch.arange(int(sizes.sum()), device=sizes.device) - starts.repeat_interleave(sizes)
+    return offsets.repeat_interleave(sizes) + within
 
 
 class Augment:

@@ -8,17 +8,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.engine.data import ClientData
+from fedpilot.engine.data import ClientData, client_major_index
 from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
 from fedpilot.engine.task import Scores, Task
 from fedpilot.models.split import ParamSplit
-
-
-def client_major_index(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Indices of all samples of one split, client after client."""
-    starts = torch.cumsum(sizes, 0) - sizes
-    within = torch.arange(int(sizes.sum()), device=sizes.device) - starts.repeat_interleave(sizes)
-    return offsets.repeat_interleave(sizes) + within
 
 
 @torch.no_grad()
@@ -32,38 +25,49 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
     With no personal parameters the model runs over the clients' samples as one flat sequence in large batches
     (no padding) and the metrics are summed per client; when only the head is personal, the shared body runs
     that way and the personal heads run batched on its features. Forward passes run in the stage's `precision`.
+    Data kept on the host (a federation larger than the device's budget) travels to the model's device batch by
+    batch.
     """
-    x = data.x
-    ids = torch.arange(data.n_clients, device=x.device) if clients is None else clients.to(x.device)
-    sizes = data.sizes[part].to(x.device)[ids]
-    index = client_major_index(data.offsets[part].to(x.device)[ids], sizes)
-    personal_of = (lambda of: lambda rows: of(ids[rows]))(personal_of)  # rows of `ids` -> their clients' params
-    with precision_context(precision, x.device):
-        if not personal_of(torch.arange(0, device=x.device)):
-            return _flat(lambda inputs: forward(model, shared, inputs), task, data, index, sizes, max_samples)
+    device = next(model.parameters()).device
+    ids = torch.arange(data.n_clients) if clients is None else clients.cpu()
+    sizes = data.sizes[part].cpu()[ids]
+    index = client_major_index(data.offsets[part].cpu()[ids], sizes).to(data.x.device)
+    sizes = sizes.to(device)
+
+    def rows_at(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model inputs and labels of the samples index[start:stop], on the model's device."""
+        rows = index[start:stop]
+        return data.inputs(data.x[rows].to(device, non_blocking=True)), data.y[rows].to(device, non_blocking=True)
+
+    personal_of = (lambda of: lambda rows: of(ids[rows.cpu()].to(device)))(personal_of)  # rows -> their params
+    with precision_context(precision, device):
+        if not personal_of(torch.arange(0)):
+            return _flat(lambda inputs: forward(model, shared, inputs), task, rows_at, len(index), sizes,
+                         max_samples)
         if split.head_only(split.personal_names):
             body = split.in_body(shared)
-            source = torch.cat([functional_call(model.body, body, (data.inputs(x[index[i : i + max_samples]]),))
-                                for i in range(0, len(index), max_samples)]) if len(index) else x[:0]
+            source = torch.cat([functional_call(model.body, body, (rows_at(i, i + max_samples)[0],))
+                                for i in range(0, max(len(index), 1), max_samples)])
             module, fixed, forward = model.head, split.in_head(shared), _plain
             personal_of = (lambda of: lambda rows: split.in_head(of(rows)))(personal_of)
+            labels = rows_at(0, len(index))[1]
         else:
-            source, module, fixed = data.inputs(x[index]), model, shared
-        return _per_client(module, forward, task, fixed, personal_of, source, data.y[index], sizes, execution,
+            (source, labels), module, fixed = rows_at(0, len(index)), model, shared
+        return _per_client(module, forward, task, fixed, personal_of, source, labels, sizes, execution,
                            max_samples)
 
 
-def _flat(apply: Callable[[torch.Tensor], torch.Tensor], task: Task, data: ClientData, index: torch.Tensor,
-          sizes: torch.Tensor, max_samples: int) -> dict[str, torch.Tensor]:
-    """One model for every client: the samples `index` (client after client) in batches of `max_samples`, each
+def _flat(apply: Callable[[torch.Tensor], torch.Tensor], task: Task,
+          rows_at: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], count: int, sizes: torch.Tensor,
+          max_samples: int) -> dict[str, torch.Tensor]:
+    """One model for every client: its `count` samples (client after client) in batches of `max_samples`, each
     metric's sums and units added up per client."""
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
     sums = {m: (torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device),
                 torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device)) for m in task.metrics}
-    for i in range(0, len(index), max_samples):
-        rows = index[i : i + max_samples]
-        scores = task.scores(apply(data.inputs(data.x[rows])), data.y[rows])
-        for metric, (total, units) in scores.items():  # per sample
+    for i in range(0, count, max_samples):
+        inputs, labels = rows_at(i, i + max_samples)
+        for metric, (total, units) in task.scores(apply(inputs), labels).items():  # per sample
             sums[metric][0].index_add_(0, owner[i : i + max_samples], total.double())
             sums[metric][1].index_add_(0, owner[i : i + max_samples], units.double())
     return {m: (total / units).float() for m, (total, units) in sums.items()}

@@ -79,3 +79,15 @@ class PeakMemory:
             self._thread.join()
         else:
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def data_fits(nbytes: int, device: torch.device, budget: int | None) -> bool:
+    """Whether a federation's data (`nbytes`) moves to the device whole: within `budget` when one is given, else on
+    a GPU within half of its free memory (on the CPU it is there already); otherwise each round gathers its
+    cohort's samples."""
+    if budget is not None:
+        return nbytes <= budget
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= free // 2

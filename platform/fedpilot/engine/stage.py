@@ -22,6 +22,7 @@ from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.local import Params, executor_candidates, fastest
+from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
@@ -65,6 +66,7 @@ class FederatedStage(L.LightningModule):
         self.bank = bank if bank is not None else ClientBank(self.personal_init, data.n_clients, budget)
         self.state_bank = ClientBank(algorithm.client_state(), data.n_clients, budget)
         self.changes_folder: Path | None = None  # set by save_changes_in()
+        self.data_on_device = True  # setup() keeps a federation larger than the device's budget on the host
         self.server_state = algorithm.server_state(data.n_clients)
         self.execution = config.execution  # "auto" until the first round times the candidates
         self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
@@ -97,7 +99,9 @@ class FederatedStage(L.LightningModule):
         if distributed() and not splits_across_processes(self.algorithm):
             raise ValueError(f"{self.hparams['algorithm']}: its server keeps every client's upload, so a round cannot "
                              f"be split across {dist.get_world_size()} processes; run it with devices: 1")
-        self.data = self.data.to(self.device)
+        self.data_on_device = data_fits(self.data.nbytes(), self.device, self.config.device_data_budget)
+        if self.data_on_device:
+            self.data = self.data.to(self.device)
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         round_idx = self.global_step
@@ -162,8 +166,11 @@ class FederatedStage(L.LightningModule):
         params = dict(self.model.named_parameters())
         return {n: params[n].detach() for n in self.shared_names}
 
-    def round_work(self, round_idx: int) -> RoundWork:
-        data, local = self.data, self.config.local
+    def round_work(self, round_idx: int, clients: torch.Tensor) -> RoundWork:
+        """The round's fixed parts; with the federation's data on the host, `clients`' samples gathered to the
+        device."""
+        local = self.config.local
+        data = self.data if self.data_on_device else self.data.gather(clients, self.device)
         return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, data=data, local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
                          seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
@@ -177,7 +184,7 @@ class FederatedStage(L.LightningModule):
         every process takes rank 0's choice."""
         clients = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         rows = slice(0, len(clients))
-        work, shared = self.round_work(round_idx), self.shared_params()
+        work, shared = self.round_work(round_idx, clients), self.shared_params()
         personal, init = self.bank.get(clients), {n: v.to(self.device) for n, v in self.personal_init.items()}
         state = self.state_bank.get(clients)
 
@@ -202,7 +209,7 @@ class FederatedStage(L.LightningModule):
         takes the same server step and ends the round with the same parameters and banks.
         """
         clients = self.sample_cohort(round_idx).to(self.device)
-        work, shared = self.round_work(round_idx), self.shared_params()
+        work, shared = self.round_work(round_idx, clients), self.shared_params()
         info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
         init = {n: v.to(self.device) for n, v in self.personal_init.items()}
         stateful = self.algorithm.stateful

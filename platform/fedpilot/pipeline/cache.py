@@ -23,7 +23,7 @@ from fedpilot.data import FederatedData
 from fedpilot.spec import PipelineSpec
 
 CACHE_FORMAT = 1
-NOT_IN_KEY = {"name", "max_parallel_clients", "execution", "host_memory_budget"}
+NOT_IN_KEY = {"name", "max_parallel_clients", "execution", "host_memory_budget", "device_data_budget"}
 # Packages whose code never enters a stage key: the Python runtime and pinned libraries (their versions do).
 NOT_OUR_CODE = {"builtins", "abc", "typing", "torch", "pydantic", "functools", "collections"}
 

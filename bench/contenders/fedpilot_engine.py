@@ -23,7 +23,6 @@ from workload import RoundClock, Workload, build_model, contender_args, load_dat
 from fedpilot.algorithms import build_algorithm  # noqa: E402
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
 from fedpilot.engine.data import ClientData  # noqa: E402
-from fedpilot.engine.local import choose_execution  # noqa: E402
 from fedpilot.models import build_model as zoo_model  # noqa: E402
 from fedpilot.models.split import ParamSplit  # noqa: E402
 
@@ -68,6 +67,12 @@ class RoundTimer(L.Callback):
 def round_times(work: Workload, rounds: int, device: str, execution: str = "auto",
                 precision: str = "32-true") -> list[float]:
     """Seconds of each of `rounds` rounds of the stage, run by a quiet Lightning Trainer."""
+    return timed_stage(work, rounds, device, execution, precision)[0]
+
+
+def timed_stage(work: Workload, rounds: int, device: str, execution: str = "auto",
+                precision: str = "32-true") -> tuple[list[float], str]:
+    """`round_times`, and the executor the stage ran (with "auto": the one it timed fastest on its first round)."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     clock = RoundClock(device)
     stage = stage_for(work, rounds, execution, precision)
@@ -75,13 +80,12 @@ def round_times(work: Workload, rounds: int, device: str, execution: str = "auto
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[RoundTimer(clock)])
     trainer.fit(stage)
-    return clock.times
+    return clock.times, stage.execution
 
 
 def main() -> None:
     args = contender_args(__doc__, {"--execution": {"default": "auto"}, "--precision": {"default": "32-true"}})
-    times = round_times(args.workload, args.rounds, args.device, args.execution, args.precision)
-    executor = choose_execution(args.execution, build_model(args.workload), torch.device(args.device))
+    times, executor = timed_stage(args.workload, args.rounds, args.device, args.execution, args.precision)
     report(args.out, f"fedpilot-{args.execution}", args.workload, times, args.warmup, executor=executor,
            precision=args.precision)
 

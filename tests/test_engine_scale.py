@@ -131,10 +131,12 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
     pinned = make(auto.execution)
     fit(pinned)
     assert not pinned.executor_seconds  # a pinned executor is not timed
-    for name, value in auto.shared_params().items():  # timing trained nothing and drew no random numbers
-        assert torch.equal(value, pinned.shared_params()[name])
+    # timing wrote nothing and drew no random numbers (head-only steps of a timed stage keep the rule of thumb, so
+    # the two may differ in rounding, not more)
+    for name, value in auto.shared_params().items():
+        torch.testing.assert_close(value, pinned.shared_params()[name])
     for name in HEAD:
-        assert torch.equal(auto.bank.tensor(name), pinned.bank.tensor(name))
+        torch.testing.assert_close(auto.bank.tensor(name), pinned.bank.tensor(name))
 
 
 def test_data_past_the_device_budget_stays_on_the_host_and_rounds_gather_their_cohort():

@@ -236,7 +236,7 @@ def appended(path: Path, text: str) -> Iterator[None]:
 
 
 def test_validate_shows_the_plugins_params_and_only_its_models_own_options(lab, workdir):
-    code, output = cli("validate", str(write_pipeline(workdir, PIPELINE)))
+    code, output = cli("validate", str(write_pipeline(workdir, PIPELINE)), "--full")
     assert code == 0, output
     resolved = yaml.safe_load(output[:output.index("ok: ")])
     assert resolved["stages"][1]["params"] == {"lr_v": 0.02, "personal_epochs": 1.0}  # every default filled in
@@ -324,7 +324,7 @@ def bad(sites, monkeypatch, workdir) -> str:
 
 def test_a_plugin_cannot_replace_or_break_a_builtin(bad):
     with pytest.warns(UserWarning, match=r"plugin `fedavg = clashing:Mine` .* is ignored: 'fedavg' is a built-in"):
-        code, output = cli("validate", bad)
+        code, output = cli("validate", bad, "--full")
     assert code == 0, output
     assert "algorithm: fedavg" in output
 

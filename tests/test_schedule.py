@@ -66,8 +66,8 @@ def test_firings_targets_duplicates_and_coalescing(db_url, searchable):
     with session_factory(engine)() as session:
         assert [f.fire_time for f in session.query(Firing).order_by(Firing.id)] == [at(10), at(60)]
     assert list_schedules(engine, now=at(60))[0] | {"created_at": None} == {
-        "name": "tiny", "pipeline": "tiny", "cron": "*/10 * * * *", "trials": 5, "study": "tiny", "paused": False,
-        "firings": 2, "next_fire_time": at(60).isoformat(), "created_at": None}
+        "name": "tiny", "pipeline": "tiny", "cron": "*/10 * * * *", "trials": 5, "study": "tiny", "to": "queue",
+        "paused": False, "firings": 2, "next_fire_time": at(60).isoformat(), "created_at": None}
 
 
 def test_two_schedulers_at_the_same_instant_record_one_firing(db_url, searchable):

@@ -61,7 +61,7 @@ def test_next_token_pipeline_on_the_offline_shakespeare_federation(workdir, play
     personal = client.get_run(runs[1].info.run_id).data.metrics["personal_params_per_client"]
     assert 0 < personal < client.get_run(runs[1].info.run_id).data.metrics["shared_params"]  # the last block
     assert "data/tokenizer.json" in {a.path for a in client.list_artifacts(parent, "data")}
-    assert "per-client test accuracy" in output and "shakespeare-next-token: 8 clients" in output
+    assert "per-client test accuracy" in output and ": 8 clients, model transformer" in output
     assert 0 <= runs[2].data.metrics["test_acc_mean"] <= 1
 
 

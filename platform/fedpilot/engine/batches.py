@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from fedpilot.engine.data import AugmentParams
 
 
+def draw_without_replacement(n: int, size: int, *key: int) -> torch.Tensor:
+    """`size` of range(n), uniform without replacement, sorted, seeded by `key`; its cost follows `size`, not `n`
+    (numpy's Generator.choice: a million-client federation's cohort costs what a thousand-client one's does)."""
+    rng = np.random.default_rng(np.random.SeedSequence(list(key)))
+    return torch.from_numpy(np.sort(rng.choice(n, size, replace=False))).long()
+
+
 def round_generator(*key: int) -> torch.Generator:
     """A CPU generator seeded from a tuple of ints (seed, stage, round, phase), stable across machines."""
     seed = int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)

@@ -44,17 +44,17 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
         if not personal_of(torch.arange(0)):
             return _flat(lambda inputs: forward(model, shared, inputs), task, rows_at, len(index), sizes,
                          max_samples)
-        if split.head_only(split.personal_names):
+        if split.head_only(split.personal_names):  # the shared body once per sample, the heads on its features
             body = split.in_body(shared)
-            source = torch.cat([functional_call(model.body, body, (rows_at(i, i + max_samples)[0],))
-                                for i in range(0, max(len(index), 1), max_samples)])
-            module, fixed, forward = model.head, split.in_head(shared), _plain
-            personal_of = (lambda of: lambda rows: split.in_head(of(rows)))(personal_of)
-            labels = rows_at(0, len(index))[1]
-        else:
-            (source, labels), module, fixed = rows_at(0, len(index)), model, shared
-        return _per_client(module, forward, task, fixed, personal_of, source, labels, sizes, execution,
-                           max_samples)
+
+            def features_at(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+                inputs, labels = rows_at(start, stop)
+                return functional_call(model.body, body, (inputs,)), labels
+
+            return _per_client(model.head, _plain, task, split.in_head(shared),
+                               lambda rows: split.in_head(personal_of(rows)), features_at, sizes, execution,
+                               max_samples)
+        return _per_client(model, forward, task, shared, personal_of, rows_at, sizes, execution, max_samples)
 
 
 def _flat(apply: Callable[[torch.Tensor], torch.Tensor], task: Task,
@@ -78,14 +78,20 @@ def _plain(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_client(module: nn.Module, forward: Forward, task: Task, fixed: Params,
-                personal_of: Callable[[torch.Tensor], Params], source: torch.Tensor, labels: torch.Tensor,
-                sizes: torch.Tensor, execution: str, max_samples: int) -> dict[str, torch.Tensor]:
-    """Metric sums over each client's samples divided by its units, chunk of clients by chunk."""
+                personal_of: Callable[[torch.Tensor], Params],
+                source_at: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], sizes: torch.Tensor,
+                execution: str, max_samples: int) -> dict[str, torch.Tensor]:
+    """Metric sums over each client's samples divided by its units, chunk of clients by chunk: a chunk's samples
+    are one contiguous range, whose inputs (or body features) and labels `source_at(start, stop)` gives."""
     starts = torch.cumsum(sizes, 0) - sizes
-    results = {m: torch.full((len(sizes),), float("nan"), device=source.device) for m in task.metrics}
+    results = {m: torch.full((len(sizes),), float("nan"), device=sizes.device) for m in task.metrics}
     for clients in _chunks(sizes, max_samples):
-        scores = _scores(module, forward, task, personal_of(clients), fixed, source, labels, starts[clients],
-                         sizes[clients], execution)
+        first, last = int(starts[clients[0]]), int(starts[clients[-1]] + sizes[clients[-1]])
+        if last == first:  # none of these clients has samples in the split: NaN
+            continue
+        source, labels = source_at(first, last)
+        scores = _scores(module, forward, task, personal_of(clients), fixed, source, labels,
+                         starts[clients] - first, sizes[clients], execution)
         for metric, (total, units) in scores.items():
             results[metric][clients] = total.sum(1) / units.sum(1)
     return results

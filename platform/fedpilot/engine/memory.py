@@ -13,6 +13,7 @@ import ctypes
 import functools
 import sys
 import threading
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -81,13 +82,13 @@ class PeakMemory:
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
 
 
-def data_fits(nbytes: int, device: torch.device, budget: int | None) -> bool:
-    """Whether a federation's data (`nbytes`) moves to the device whole: within `budget` when one is given, else on
-    a GPU within half of its free memory (on the CPU it is there already); otherwise each round gathers its
-    cohort's samples."""
+def data_fits(nbytes: Callable[[], int], device: torch.device, budget: int | None) -> bool:
+    """Whether a federation's data (of `nbytes()`) moves to the device whole: within `budget` when one is given,
+    else on a GPU within half of its free memory (on the CPU it is there already); otherwise each round gathers
+    its cohort's samples."""
     if budget is not None:
-        return nbytes <= budget
+        return nbytes() <= budget
     if device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(device)
-    return nbytes <= free // 2
+    return nbytes() <= free // 2

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from fedpilot.engine.bank import ClientBank, starting_bank
-from fedpilot.engine.batches import round_generator
+from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
@@ -99,7 +99,7 @@ class FederatedStage(L.LightningModule):
         if distributed() and not splits_across_processes(self.algorithm):
             raise ValueError(f"{self.hparams['algorithm']}: its server keeps every client's upload, so a round cannot "
                              f"be split across {dist.get_world_size()} processes; run it with devices: 1")
-        self.data_on_device = data_fits(self.data.nbytes(), self.device, self.config.device_data_budget)
+        self.data_on_device = data_fits(lambda: self.data.nbytes(), self.device, self.config.device_data_budget)
         if self.data_on_device:
             self.data = self.data.to(self.device)
 
@@ -159,8 +159,7 @@ class FederatedStage(L.LightningModule):
         size, n = self._cohort_size(), self.data.n_clients
         if self.algorithm.visits_each_client_once:
             return torch.arange(round_idx * size, min(n, (round_idx + 1) * size))
-        gen = round_generator(self.seed, self.stage_index, round_idx, 0)
-        return torch.randperm(n, generator=gen)[:size].sort().values
+        return draw_without_replacement(n, size, self.seed, self.stage_index, round_idx, 0)
 
     def shared_params(self) -> Params:
         params = dict(self.model.named_parameters())
@@ -272,7 +271,7 @@ class FederatedStage(L.LightningModule):
         n, size = self.data.n_clients, self.config.eval_clients
         if size is None or size >= n:
             return None
-        return torch.randperm(n, generator=round_generator(self.seed, self.stage_index, 0, 1))[:size].sort().values
+        return draw_without_replacement(n, size, self.seed, self.stage_index, 0, 1)
 
     def evaluate(self, splits: list[str], round_idx: int,
                  clients: torch.Tensor | None = None) -> dict[str, dict[str, torch.Tensor]]:

@@ -125,7 +125,8 @@ class Config:
     algorithm: str = "fedalt"
     evaluate: bool = False
     profile: int = 0  # top functions of the measured rounds' cProfile, by own time; 0: no profile
-    cold: bool = False  # evict the data files from the page cache first
+    cold: bool = False  # the data files out of the page cache as the process starts
+    threads: int | None = None  # torch's intra-op threads; None: torch's default
 
 
 def host_memory() -> dict[str, int]:
@@ -142,8 +143,8 @@ def disk_read() -> int:
 
 
 def page_cache(folder: Path, cold: bool) -> None:
-    """Put the data files in the page cache (read once, not mapped: no resident memory of this process), or with
-    `cold` drop their pages from it (only theirs), as for a federation larger than the machine's memory."""
+    """Put the data files in the page cache (read, not mapped), or with `cold` drop their pages from it (only
+    theirs), as for a federation larger than the machine's memory."""
     for file in folder.glob("*.npy"):
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -229,7 +230,8 @@ def measure(config: Config) -> dict:
     client (its time and peaks)."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     cuda = config.device.startswith("cuda")
-    page_cache(data_folder(config.seed), config.cold)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     memory = MemorySampler()
     stage = build_stage(config, federation(config.clients, config.seed))
     clock, rounds = RoundClock(config.device), MeasuredRounds(config.warmup, config.profile > 0)
@@ -262,7 +264,9 @@ def measure(config: Config) -> dict:
 
 
 def run_config(config: Config, timeout: float) -> dict:
-    """`measure` in a fresh interpreter (its peaks are its own); {"error": ...} if it fails."""
+    """`measure` in a fresh interpreter (its peaks are its own), the data in the page cache or out of it;
+    {"error": ...} if it fails."""
+    page_cache(data_folder(config.seed), config.cold)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "-W", "ignore", __file__, "--measure", json.dumps(asdict(config)),
                    "--out", out.name]
@@ -336,6 +340,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cold", action="store_true",
                         help="evict the data files from the page cache before each configuration (data on storage)")
+    parser.add_argument("--threads", type=int, help="torch threads in each configuration (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N functions of most own time in the measured rounds of each configuration")
@@ -354,14 +359,14 @@ def main() -> None:
 
     def run(clients: int, cohort: int, evaluate: bool = False) -> dict:
         config = Config(clients, cohort, args.rounds, args.warmup, args.device, args.seed,
-                        evaluate=evaluate, profile=args.profile, cold=args.cold)
+                        evaluate=evaluate, profile=args.profile, cold=args.cold, threads=args.threads)
         return run_config(config, args.timeout)
 
     info = describe(args.device)
     print(f"\n## fedpilot at federation scale ({time.strftime('%Y-%m-%d %H:%M')}, {args.device})\n")
     print(f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB"
-          + (f", GPU {info['gpu']}" if "gpu" in info else "") + f"; torch {info['torch']}, {info['torch_threads']} "
-          f"threads; load average before: {info['load'][0]:.2f}")
+          + (f", GPU {info['gpu']}" if "gpu" in info else "") + f"; torch {info['torch']}, "
+          f"{args.threads or info['torch_threads']} threads; load average before: {info['load'][0]:.2f}")
     print(f"FedAlt, MLP 64-200-10 with a personal output layer (2,010 parameters a client), 8x8 uint8 inputs, "
           f"{MIN_SAMPLES}-{MAX_SAMPLES} samples a client, batch 10, 1 local epoch per phase; median of "
           f"{args.rounds - args.warmup} rounds after {args.warmup}; each configuration in a fresh process; data "

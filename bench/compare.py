@@ -5,10 +5,11 @@ environments, set up by bench/peers/setup.sh on first use) and reports its secon
 samples the memory of each contender's process tree (PSS, worker processes included), measures the
 machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot and the
 fraction of the GEMM rate each contender achieves on the workload's FLOPs. Then fedpilot's scaling
-(bench/engine_throughput.py). Not part of the test suite: nothing here asserts a timing.
+(bench/engine_throughput.py) and its cost against the federation and cohort sizes (bench/scale.py). Not part of
+the test suite: nothing here asserts a timing.
 
     python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--device cpu|cuda]
-                            [--peers flower pfl | --no-peers] [--no-scaling] [--json results.json]
+                            [--peers flower pfl | --no-peers] [--no-scaling] [--no-scale] [--json results.json]
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--peers", nargs="*", default=["pfl", "flower"], choices=["pfl", "flower"])
     parser.add_argument("--no-peers", action="store_true", help="only fedpilot and the plain PyTorch loops")
     parser.add_argument("--no-scaling", action="store_true", help="skip fedpilot's scaling tables")
+    parser.add_argument("--no-scale", action="store_true",
+                        help="skip the federation-size tables (bench/scale.py: 1k to 1M clients, cohorts 10 to 1000)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
@@ -144,6 +147,8 @@ def main() -> None:
     if not args.no_scaling:
         subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "engine_throughput.py"), "--device", args.device,
                         "--gemm-gflops", str(gemm32)], check=True)
+    if not args.no_scale:
+        subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "scale.py"), "--device", args.device], check=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedpilot.engine.stage import FederatedStage
 from fedpilot.models import ParamSplit
@@ -40,7 +39,7 @@ def stage_report(stage: FederatedStage, split: ParamSplit, names: list[str], pea
               "personal_bank_bytes": stage.bank.nbytes(),
               "comm_bytes_per_round": float(np.mean(stage.comm_bytes)) if stage.comm_bytes else 0.0,
               "peak_memory_bytes": peak, "rounds": stage.n_rounds}
-    params, sample = {n: p.detach() for n, p in stage.model.named_parameters()}, data.inputs(torch.arange(1))
+    params, sample = {n: p.detach() for n, p in stage.model.named_parameters()}, data.inputs(data.x[:1])
     backprop = backprop_bytes(stage.model, lambda: stage.algorithm.forward(stage.model, params, sample))
     memory["estimated_training_bytes"] = estimated_training_bytes(  # paper 000's estimate, one client (App. B.4)
         memory["shared_bytes"], memory["personal_bytes_per_client"], backprop)

@@ -12,7 +12,8 @@ Each pipeline runs once per seed with its `seed` set to it (a different partitio
 every pipeline of that seed, so a shared pretraining stage is trained once per seed and reused from the stage
 cache). The score of a run is its last stage's distribution of per-client test accuracy: its mean and its p10
 (the 10th percentile over clients). Per pipeline the table gives each score's mean and sd over the seeds, and the
-paired difference with the baseline on the same seed (mean, sd, and the seeds on which the pipeline is better and worse; the others are ties).
+paired difference with the baseline on the same seed (mean, sd, and the seeds on which the pipeline is better and
+worse; the others are ties).
 Every pipeline run is nested under the comparison's run, which records the table (comparison.txt), the values
 of every run (comparison.json), the summary as metrics and each run's id as a tag `run.<pipeline>.<seed>`.
 """

@@ -35,14 +35,17 @@ def comparisons(cache) -> list[tuple[str, dict[str, PipelineSpec]]]:
 
 
 def test_every_pipeline_shares_the_pretraining_rounds_cohorts_and_fine_tuning(comparisons):
+    reference = next(specs for _, specs in comparisons if "digits-k2-baselines" in specs)["digits-k2-baselines"]
+    pretraining, finetuning = reference.stages[0], reference.stages[-1]
+    assert finetuning.algorithm == "finetune" and finetuning.local.epochs == 5
     for baseline, specs in comparisons:
-        base = specs[baseline].stages
+        assert baseline in specs
         for name, spec in specs.items():
-            pretraining, method, *rest = spec.stages
-            assert pretraining == base[0], name
+            first, method, *rest = spec.stages
+            assert first == pretraining, name
             assert (method.rounds, method.clients_per_round, method.local.batch_size) == (50, 10, 10), name
-            finetuning = [s for s in rest if s.algorithm == "finetune" and s.local.epochs]
-            assert all(s.local == base[-1].local and s.params == base[-1].params for s in finetuning), name
+            ends = [s for s in rest if s.algorithm == "finetune" and s.local.epochs]
+            assert all(s.local == finetuning.local and s.params == finetuning.params for s in ends), name
 
 
 def test_every_client_takes_the_same_minibatch_gradients_a_round(comparisons, cache, tmp_path, monkeypatch):

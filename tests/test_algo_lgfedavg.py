@@ -30,7 +30,7 @@ def test_bodies_stay_local_and_only_the_head_is_uploaded():
     stage = stage_for(model, INPUT, ToyData(), algorithm, StageConfig(rounds=2, clients_per_round=5, local=LOCAL))
     fit(stage)
     head_bytes = 4 * (24 * 4 + 4)
-    assert stage.comm_bytes[-1] == 2 * 5 * head_bytes  # the global layers of 5 clients, down and up, nothing else
+    assert stage.comm_bytes[-1] == 2 * 5 * head_bytes  # up and down: the global layers of 5 clients, nothing else
     for name, value in body.items():
         assert torch.equal(dict(model.named_parameters())[name].detach(), value)  # no shared body to average
         visited = (stage.bank.tensor(name) != value).flatten(1).any(1)

@@ -22,7 +22,8 @@ from fedpilot.algorithms.selffl import (
     welford,
 )
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
-from fedpilot.engine.task import Task
+from fedpilot.engine.data import ClientData
+from fedpilot.engine.task import Scores, Task
 from test_engine_equivalence import assert_close
 
 ALL = [n for n, _ in TinyMLP().named_parameters()]
@@ -39,9 +40,10 @@ class GaussianNLL(Task):
 
     name, metrics, distributions, train_metric = "gaussian", ("acc", "loss"), ("acc",), "acc"
 
-    def scores(self, output: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
         loss = (output - y).pow(2) / (2 * V2)
-        return {"loss": loss, "acc": ((output - y).abs() < V2**0.5).to(loss.dtype)}, torch.ones_like(loss)
+        one = torch.ones_like(loss)
+        return {"loss": (loss, one), "acc": (((output - y).abs() < V2**0.5).to(loss.dtype), one)}
 
 
 class Scalar(nn.Module):
@@ -63,7 +65,7 @@ def posterior(z: torch.Tensor, s: torch.Tensor, sigma0_sq: float) -> dict[str, t
             "global": (w * z).sum() / w.sum(), "global_sd": 1 / w.sum().sqrt()}
 
 
-class ScalarData:
+class ScalarData(ClientData):
     """M = 20 clients, theta_m ~ N(1.6, sigma0_sq), N_m ~ U[10, max_size] train samples of N(theta_m, v^2) (plus 2
     val and 2 test samples), client-major; z_m is the mean of its train samples, s_m = v^2 / N_m (App. D)."""
 
@@ -72,17 +74,12 @@ class ScalarData:
         train = torch.randint(10, max_size + 1, (m,), generator=g)
         theta = 1.6 + math.sqrt(sigma0_sq) * torch.randn(m, generator=g)
         sizes = train + 4
-        self.y = torch.cat([theta[i] + math.sqrt(V2) * torch.randn(int(sizes[i]), generator=g) for i in range(m)])
-        self.x = torch.zeros(len(self.y), 1)
+        y = torch.cat([theta[i] + math.sqrt(V2) * torch.randn(int(sizes[i]), generator=g) for i in range(m)])
         start = torch.cumsum(sizes, 0) - sizes
-        self.offsets = {"train": start, "val": start + train, "test": start + train + 2}
-        self.sizes = {"train": train, "val": torch.full((m,), 2), "test": torch.full((m,), 2)}
-        self.n_clients = m
+        super().__init__(torch.zeros(len(y), 1), y, {"train": start, "val": start + train, "test": start + train + 2},
+                         {"train": train, "val": torch.full((m,), 2), "test": torch.full((m,), 2)})
         self.z = torch.stack([self.y[start[i] : start[i] + train[i]].double().mean() for i in range(m)])
         self.s = V2 / train.double()
-
-    def to(self, device: torch.device) -> ScalarData:
-        return self
 
 
 @pytest.mark.parametrize(("sigma0_sq", "max_size", "per_round", "rounds", "lr"), [

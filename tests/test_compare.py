@@ -12,6 +12,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from fedpilot.compare import format_table, summarize
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 TWO_STAGES = {**SMALL, "tracking": {"system_metrics": False, "plots": False},
@@ -49,10 +50,11 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
         assert metrics[f"other.{score}.sd"] == pytest.approx(other.std(ddof=1))
         assert metrics[f"other.{score}.diff_mean"] == pytest.approx(diffs.mean())
         assert metrics[f"other.{score}.better"] == pytest.approx((diffs > 0).mean())
+        assert metrics[f"other.{score}.worse"] == pytest.approx((diffs < 0).mean())
         assert metrics[f"base.{score}.diff_mean"] == 0.0
     assert finals["base", 0] != finals["base", 1]  # each seed its own partition and initialisation
     table = output.split("baseline base", 1)[1]
-    assert "other" in table and "/2 better" in table
+    assert re.search(r"\nother .* \(\d better, \d worse\)", table), table
     artifacts = client.download_artifacts(run.info.run_id, "comparison.json", str(workdir))
     recorded = json.loads(Path(artifacts).read_text())
     assert recorded["runs"]["other"]["1"] == run.data.tags["run.other.1"]
@@ -70,3 +72,20 @@ def test_bad_sets_exit_2_naming_the_key_and_record_nothing(workdir, changes, mes
     assert code == 2 and "error: " in output
     assert re.search(message, output), output
     assert not (workdir / "mlflow.db").exists() or not MlflowClient().search_experiments(filter_string="name = 'pair'")
+
+
+def test_the_table_keeps_its_columns_apart_and_counts_ties():
+    """Every cell is separated from the next (a wide paired cell does not run into its neighbour), a difference
+    that rounds to zero has no minus sign, and ties count as neither better nor worse."""
+    scores = {"base": {0: {"test_acc_mean": 28 / 35, "test_acc_p10": 0.8571},
+                       1: {"test_acc_mean": 32 / 35, "test_acc_p10": 0.8571}},
+              "a-much-longer-pipeline-name": {0: {"test_acc_mean": 30 / 35, "test_acc_p10": 0.7143},
+                                              1: {"test_acc_mean": 30 / 35, "test_acc_p10": 0.8571}}}
+    assert summarize(scores, "base")["a-much-longer-pipeline-name"]["test_acc_mean.diff_mean"] < 0  # -5.6e-17
+    table = format_table(summarize(scores, "base"), "base", 2)
+    header, base, other = table.splitlines()[1:]
+    assert header.split() == ["pipeline", "test_acc_mean", "vs", "baseline", "test_acc_p10", "vs", "baseline"]
+    assert re.split(r"\s{2,}", other) == ["a-much-longer-pipeline-name", "0.8571 ± 0.0000",
+                                          "+0.0000 ± 0.0808 (1 better, 1 worse)", "0.7857 ± 0.1010",
+                                          "-0.0714 ± 0.1010 (0 better, 1 worse)"]
+    assert re.split(r"\s{2,}", base) == ["base", "0.8571 ± 0.0808", "0.8571 ± 0.0000"]

@@ -46,11 +46,10 @@ def test_a_stage_records_the_estimate_next_to_its_peak(algorithm, personal, u, v
     model = TinyMLP()
     names = personal or [n for n, _ in model.named_parameters()]
     data = ToyData()
-    data.client_names = [str(c) for c in range(data.n_clients)]
     cfg = StageConfig(rounds=1, clients_per_round=3, local=LocalConfig(steps=1))
     stage = stage_for(model, names, data, build_algorithm(algorithm), cfg)
     fit(stage)
-    memory = stage_report(stage, stage.split, [str(c) for c in range(stage.data.n_clients)], peak=123, before=None).memory
+    memory = stage_report(stage, stage.split, [str(c) for c in range(data.n_clients)], peak=123, before=None).memory
     backprop = 2 * 4 * (24 + 24 + 4)
     assert memory["estimated_training_bytes"] == 4 * (3 * u + 2 * v) + backprop
     assert memory["peak_memory_bytes"] == 123

@@ -13,7 +13,8 @@ from torch import nn
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
-from fedpilot.engine.task import Task
+from fedpilot.engine.data import ClientData
+from fedpilot.engine.task import Scores, Task
 
 HEAD = ["head.weight", "head.bias"]
 
@@ -24,9 +25,10 @@ class Squared(Task):
 
     name, metrics, distributions, train_metric = "squared", ("acc", "loss"), ("acc",), "acc"
 
-    def scores(self, output: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
         loss = (output - y).pow(2) / 2
-        return {"loss": loss, "acc": ((output - y).abs() < 0.5).to(loss.dtype)}, torch.ones_like(loss)
+        one = torch.ones_like(loss)
+        return {"loss": (loss, one), "acc": (((output - y).abs() < 0.5).to(loss.dtype), one)}
 
 
 class Offset(nn.Module):
@@ -41,7 +43,7 @@ class Offset(nn.Module):
         return self.shared(x).squeeze(-1) + self.offset
 
 
-class OffsetData:
+class OffsetData(ClientData):
     """12 clients of 20 train samples, y = x.a + c_i + noise: the offsets c_i (sd 2) make the clients' gradients
     for u differ (delta^2 > 0) until each v_i has absorbed its c_i; inputs with a client mean mu_i (norm ~ `shift`)
     couple u and v_i (chi^2 > 0: the cross term of the Hessian is mu_i)."""
@@ -52,15 +54,11 @@ class OffsetData:
         owner = torch.repeat_interleave(torch.arange(n), sizes)
         mean = shift * torch.randn(n, dim, generator=g) / dim**0.5
         a, c = torch.randn(dim, generator=g), 2.0 * torch.randn(n, generator=g)
-        self.x = torch.randn(int(sizes.sum()), dim, generator=g) + mean[owner]
-        self.y = self.x @ a + c[owner] + 0.1 * torch.randn(len(owner), generator=g)
+        x = torch.randn(int(sizes.sum()), dim, generator=g) + mean[owner]
         start = torch.cumsum(sizes, 0) - sizes
-        self.offsets = {"train": start, "val": start + 20, "test": start + 22}
-        self.sizes = {"train": torch.full((n,), 20), "val": torch.full((n,), 2), "test": torch.full((n,), 2)}
-        self.n_clients = n
-
-    def to(self, device: torch.device) -> OffsetData:
-        return self
+        super().__init__(x, x @ a + c[owner] + 0.1 * torch.randn(len(owner), generator=g),
+                         {"train": start, "val": start + 20, "test": start + 22},
+                         {"train": torch.full((n,), 20), "val": torch.full((n,), 2), "test": torch.full((n,), 2)})
 
     def objective(self, u: torch.Tensor, v: torch.Tensor) -> float:
         """F(u, V) = (1/n) sum_i F_i(u, v_i) on the train splits (the paper's Eq. 4)."""

@@ -12,7 +12,8 @@ Each pipeline runs once per seed with its `seed` set to it (a different partitio
 every pipeline of that seed, so a shared pretraining stage is trained once per seed and reused from the stage
 cache). The score of a run is its last stage's distribution of per-client test accuracy: its mean and its p10
 (the 10th percentile over clients). Per pipeline the table gives each score's mean and sd over the seeds, and the
-paired difference with the baseline on the same seed (mean, sd, and the seeds on which the pipeline is better).
+paired difference with the baseline on the same seed (mean, sd, and the seeds on which the pipeline is better and
+worse; the others are ties).
 Every pipeline run is nested under the comparison's run, which records the table (comparison.txt), the values
 of every run (comparison.json), the summary as metrics and each run's id as a tag `run.<pipeline>.<seed>`.
 """
@@ -143,7 +144,7 @@ def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipeli
 
 def summarize(scores: dict[str, dict[int, dict[str, float]]], baseline: str) -> dict[str, dict[str, float]]:
     """Per pipeline and score: mean and sd over seeds, and the paired difference with the baseline (mean, sd, the
-    fraction of seeds on which the pipeline is better)."""
+    fractions of seeds on which the pipeline is better and worse; the rest are ties)."""
     summary = {}
     for name, by_seed in scores.items():
         seeds = sorted(by_seed)
@@ -153,7 +154,7 @@ def summarize(scores: dict[str, dict[int, dict[str, float]]], baseline: str) -> 
             diffs = values - np.array([scores[baseline][s][score] for s in seeds])
             row.update({f"{score}.mean": float(values.mean()), f"{score}.sd": _sd(values),
                         f"{score}.diff_mean": float(diffs.mean()), f"{score}.diff_sd": _sd(diffs),
-                        f"{score}.better": float((diffs > 0).mean())})
+                        f"{score}.better": float((diffs > 0).mean()), f"{score}.worse": float((diffs < 0).mean())})
         summary[name] = row
     return summary
 
@@ -165,21 +166,25 @@ def _sd(values: np.ndarray) -> float:
 
 def format_table(summary: dict[str, dict[str, Any]], baseline: str, seeds: int) -> str:
     """The comparison as text: per pipeline, mean +- sd over seeds of each score and of its difference with the
-    baseline, with the number of seeds on which it is better."""
-    width = max(len(name) for name in summary) + 2
-    head = f"{'pipeline':<{width}}" + "".join(f"{s:>22}{'vs baseline':>28}" for s in SCORES)
-    lines = [f"per-client test accuracy of each pipeline's last stage, {seeds} seed(s); baseline {baseline}", head]
+    baseline, with the numbers of seeds on which it is better and worse (the others are ties)."""
+    rows = [["pipeline", *[cell for s in SCORES for cell in (s, "vs baseline")]]]
     for name, row in summary.items():
-        cells = ""
+        cells = [name]
         for s in SCORES:
-            cells += f"{_pm(row[f'{s}.mean'], row[f'{s}.sd']):>22}"
-            paired = "" if name == baseline else (f"{_pm(row[f'{s}.diff_mean'], row[f'{s}.diff_sd'], sign=True)} "
-                                                  f"({round(row[f'{s}.better'] * seeds)}/{seeds} better)")
-            cells += f"{paired:>28}"
-        lines.append(f"{name:<{width}}{cells}")
+            cells.append(_pm(row[f"{s}.mean"], row[f"{s}.sd"]))
+            cells.append("" if name == baseline else
+                         f"{_pm(row[f'{s}.diff_mean'], row[f'{s}.diff_sd'], sign=True)} "
+                         f"({round(row[f'{s}.better'] * seeds)} better, {round(row[f'{s}.worse'] * seeds)} worse)")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"per-client test accuracy of each pipeline's last stage, {seeds} seed(s); baseline {baseline}"]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+              .rstrip() for r in rows]
     return "\n".join(lines)
 
 
 def _pm(mean: float, sd: float, sign: bool = False) -> str:
+    """mean ± sd at 4 decimals (a mean that rounds to zero is printed without a sign's minus)."""
+    mean = round(mean, 4) + 0.0
     value = f"{mean:+.4f}" if sign else f"{mean:.4f}"
     return value if np.isnan(sd) else f"{value} ± {sd:.4f}"

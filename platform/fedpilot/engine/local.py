@@ -324,7 +324,7 @@ def executor_candidates(module: nn.Module) -> list[str]:
 
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
-            repeats: int = 2) -> tuple[str, dict[str, float]]:
+            repeats: int = 3) -> tuple[str, dict[str, float]]:
     """The candidate whose `run(candidate)` takes least time (the best of `repeats` runs after a warm-up run: the
     first call of vmap or of a new layout pays for tracing and allocation), and each one's seconds."""
     seconds = {}

@@ -24,9 +24,18 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from fedpilot.report import REPORT_ARTIFACT, human_bytes, primary_metric, table_figure
+from fedpilot.report import (
+    REPORT_ARTIFACT,
+    PipelineRun,
+    human_bytes,
+    labelled,
+    load_run,
+    primary_metric,
+    short_keys,
+    table_figure,
+)
 from fedpilot.tracking import local_artifact, table_order
-from fedpilot.tuning import short_keys, trial_name
+from fedpilot.tuning import trial_name
 from pipeline_fixtures import cli, run_id_of, write_pipeline
 from test_deploy import need
 from test_mlflow_server import free_port, wait_healthy
@@ -57,6 +66,9 @@ def test_names_and_table_columns_put_what_differs_first():
                                 "stages.2.local.lr": "2.local.lr"}
     assert trial_name("quickstart", 3, {keys[0]: 0.012345, keys[2]: 0.001}) == \
         "quickstart trial 3: lr_v=0.0123 lr=0.001"  # short where unique
+    runs = [PipelineRun(str(i), name, "1", [], "") for i, name in enumerate(
+        ["small stages.1.local.lr=0.1", "small stages.2.local.lr=0.1", "small stages.2.local.lr=0.2 seed=1"])]
+    assert [r.label for r in labelled(runs)] == ["1.local.lr=0.1", "2.local.lr=0.1", "2.local.lr=0.2 seed=1"]
     columns = ["client", "name", "train_samples", "val_samples", "test_samples", "val_acc", "val_loss", "test_acc",
                "test_loss", "previous_test_acc", "gate_density"]
     assert table_order(columns) == ["name", "test_acc", "test_loss", "previous_test_acc", "val_acc", "val_loss",
@@ -148,6 +160,8 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
     for parent in parents:
         assert {f"{s}/test_acc_p10" for s in STAGES} <= set(parent.data.metrics)
         assert parent.data.metrics["finetune/test_acc_p10"] == parent.data.metrics["final_test_acc_p10"]
+    reused = load_run(client, run_ids[1]).stages[0]  # pretrain from the first run's cache entry
+    assert reused.cache == "hit" and len(reused.curves["train_loss"]) == 4  # its rounds' loss, from the run that trained it
     browse = next(line for line in outputs[1][1].splitlines() if line.startswith("browse: "))
     assert browse.endswith(f"/#/experiments/{experiment}/runs/{run_ids[1]}?workflowType=machine_learning")
     both = workdir / "both.html"
@@ -209,3 +223,4 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         side_by_side = driver.find_element("tag name", "body").text
         full_page(driver, shots / "report-side-by-side.png")
         assert f"fedpilot report: {names[0]} vs {names[1]}" in side_by_side
+        assert re.search(r"^lr=0\.01 pretrain miss", side_by_side, re.MULTILINE), side_by_side[:2000]  # short labels

@@ -163,15 +163,17 @@ def check_personal_parts(spec: PipelineSpec, prepared: Prepared) -> None:
     """Each stage's personal part exists in the model as its algorithm leaves it: checked on a copy of the built model
     where a check needs its parameters (needs_model), else by the built-in model's schema (every preset applies,
     `adapters` where the model has places for adapters)."""
-    from_model = needs_model(spec, prepared.algorithms)
-    probe = copy.deepcopy(prepared.model) if from_model else None
-    options = None if from_model else SCHEMAS[spec.model.name].model_validate(spec.model.options)
+    probe = options = None
+    if needs_model(spec, prepared.algorithms):
+        from fedpilot.models.split import apply_split
+
+        probe = copy.deepcopy(prepared.model)
+    else:
+        options = SCHEMAS[spec.model.name].model_validate(spec.model.options)
     for i, (stage, algorithm) in enumerate(zip(spec.stages, prepared.algorithms, strict=True)):
         split, dim = stage_split(spec, stage, algorithm.personal_part)
         try:
             if probe is not None:
-                from fedpilot.models.split import apply_split
-
                 algorithm.prepare_model(probe, prepared.data.feature_shape)
                 apply_split(probe, split, dim)
             elif split == "adapters" and not options.adapter_places():

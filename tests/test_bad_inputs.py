@@ -319,7 +319,13 @@ CASES = [
          command=("submit",)),
     case("submit-search-trials-zero", "--trials=0", SEARCHABLE, "--search", "--trials", "0", command=("submit",)),
     case("submit-hf-text-feature", "dataset.source.feature='text'", hf(feature="text"), command=("submit",)),
-    case("model-negative-size", "cannot be built", BASE, "model.hidden=[-1]"),
+    case("model-negative-size", "model.hidden.0=-1: Input should be greater than 0", BASE, "model.hidden=[-1]"),
+    case("model-adapters-nowhere", "personalization='adapters': model 'logreg' has no place for adapters",
+         edit(model={"name": "logreg"}, personalization="adapters")),
+    case("model-lstm-no-layers", "model.n_layers=0: an LSTM encoder has at least one layer", edit(
+        text(feature="text"), model={"name": "text_classifier", "encoder": "lstm", "n_layers": 0})),
+    case("model-context-too-short", "model.context=3: the sequences have 6 tokens", edit(
+        text(feature="text"), model={"name": "transformer", "context": 3}, dataset__task="next_token")),
     case("run-no-such-file", "no such file", None, "missing.yaml", command=("run",)),
     case("run-resume-unknown", "--resume='nope'", None, "--resume", "nope", command=("run",)),
     case("run-no-pipeline", "pipeline=None", None, command=("run",)),

@@ -3,11 +3,14 @@ that say what differs, each stage's summary on the parent, the report artifact w
 as a table), the side-by-side report as a file, and the pieces they are made of.
 
 Without Chromium and its driver the browser test skips on a developer machine and fails on CI (CI=true). Its
-screenshots stay in the test's tmp_path (pytest --basetemp=DIR keeps them where you like).
+screenshots (the runs table, the parent run's page and its charts, a stage run's page and its per-client table, the
+report in MLflow's artifact view and as files) go to $FEDPILOT_SCREENSHOTS when it names a folder, else stay in the
+test's tmp_path.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,9 +24,18 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from fedpilot.report import human_bytes, primary_metric, table_figure
-from fedpilot.tracking import table_order
-from fedpilot.tuning import short_keys, trial_name
+from fedpilot.report import (
+    REPORT_ARTIFACT,
+    PipelineRun,
+    human_bytes,
+    labelled,
+    load_run,
+    primary_metric,
+    short_keys,
+    table_figure,
+)
+from fedpilot.tracking import local_artifact, table_order
+from fedpilot.tuning import trial_name
 from pipeline_fixtures import cli, run_id_of, write_pipeline
 from test_deploy import need
 from test_mlflow_server import free_port, wait_healthy
@@ -54,6 +66,9 @@ def test_names_and_table_columns_put_what_differs_first():
                                 "stages.2.local.lr": "2.local.lr"}
     assert trial_name("quickstart", 3, {keys[0]: 0.012345, keys[2]: 0.001}) == \
         "quickstart trial 3: lr_v=0.0123 lr=0.001"  # short where unique
+    runs = [PipelineRun(str(i), name, "1", [], "") for i, name in enumerate(
+        ["small stages.1.local.lr=0.1", "small stages.2.local.lr=0.1", "small stages.2.local.lr=0.2 seed=1"])]
+    assert [r.label for r in labelled(runs)] == ["1.local.lr=0.1", "2.local.lr=0.1", "2.local.lr=0.2 seed=1"]
     columns = ["client", "name", "train_samples", "val_samples", "test_samples", "val_acc", "val_loss", "test_acc",
                "test_loss", "previous_test_acc", "gate_density"]
     assert table_order(columns) == ["name", "test_acc", "test_loss", "previous_test_acc", "val_acc", "val_loss",
@@ -114,8 +129,24 @@ def plots_in(driver, count: int, timeout: float = 60) -> int:
     return driver.execute_script(PLOTS)
 
 
+def screenshots(workdir: Path) -> Path:
+    """Where the browser test saves its screenshots: $FEDPILOT_SCREENSHOTS (created), else the test's folder."""
+    folder = Path(os.environ.get("FEDPILOT_SCREENSHOTS") or workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def full_page(driver, path: Path, width: int = 1400) -> None:
+    """A screenshot of the whole document, however long (the window grown to its height)."""
+    height = driver.execute_script("return Math.max(document.body.scrollHeight, document.documentElement.scrollHeight)")
+    driver.set_window_size(width, min(max(height, 1000), 8000))
+    driver.save_screenshot(str(path))
+    driver.set_window_size(width, 1000)
+
+
 @pytest.mark.slow
 def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_report(workdir):
+    shots = screenshots(workdir)
     path = write_pipeline(workdir)
     outputs = [cli("run", str(path), f"stages.2.local.lr={lr}", "--no-progress") for lr in (0.01, 0.02)]
     assert all(code == 0 for code, _ in outputs), outputs
@@ -129,6 +160,8 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
     for parent in parents:
         assert {f"{s}/test_acc_p10" for s in STAGES} <= set(parent.data.metrics)
         assert parent.data.metrics["finetune/test_acc_p10"] == parent.data.metrics["final_test_acc_p10"]
+    reused = load_run(client, run_ids[1]).stages[0]  # pretrain from the first run's cache entry
+    assert reused.cache == "hit" and len(reused.curves["train_loss"]) == 4  # its rounds' loss, from the run that trained it
     browse = next(line for line in outputs[1][1].splitlines() if line.startswith("browse: "))
     assert browse.endswith(f"/#/experiments/{experiment}/runs/{run_ids[1]}?workflowType=machine_learning")
     both = workdir / "both.html"
@@ -139,16 +172,20 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         view = "?workflowType=machine_learning"  # what the links fedpilot prints carry
         runs_page = shown(driver, f"{url}/#/experiments/{experiment}{view}",
                           lambda text: all(n in text for n in names))
-        driver.save_screenshot(str(workdir / "experiment-runs.png"))
+        driver.save_screenshot(str(shots / "experiment-runs.png"))
         assert all(n in runs_page for n in names), runs_page[:2000]
         assert "Run Name" in runs_page and "Judges" not in runs_page  # the runs table, not the GenAI overview
 
         page = f"{url}/#/experiments/{experiment}/runs/{run_ids[1]}"
+        overview = shown(driver, f"{page}{view}", lambda text: "finetune/test_acc_p10" in text)
+        driver.save_screenshot(str(shots / "parent-overview.png"))
+        assert names[1] in overview, overview[:2000]
+
         def sections(text: str) -> set[str]:  # the chart sections of a run page: a title and its chart count
             return set(re.findall(r"^(\S+)\n\(\d+\)$", text, re.MULTILINE))
 
         metrics_page = shown(driver, f"{page}/model-metrics{view}", lambda text: set(STAGES) <= sections(text))
-        driver.save_screenshot(str(workdir / "parent-model-metrics.png"))
+        driver.save_screenshot(str(shots / "parent-model-metrics.png"))
         assert set(STAGES) <= sections(metrics_page), metrics_page[:2000]  # a section per stage
 
         shown(driver, f"{page}/artifacts/report.html{view}", lambda text: "report.html" in text)
@@ -162,21 +199,28 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         assert plots_in(driver, 5) == 5  # CDF, before/after, curves, footprints, the per-client table
         report_text = driver.find_element("tag name", "body").text
         driver.switch_to.default_content()
-        driver.save_screenshot(str(workdir / "report-artifact.png"))
+        driver.save_screenshot(str(shots / "report-artifact.png"))
         assert "fedpilot report: small stages.2.local.lr=0.02" in report_text
         assert all(s in report_text for s in STAGES) and "better" in report_text and "worse" in report_text
 
         stage = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_ids[1]}' and "
                                                  "tags.`fedpilot.stage` = 'personalize'")[0]
+        stage_page = f"{url}/#/experiments/{experiment}/runs/{stage.info.run_id}"
+        shown(driver, f"{stage_page}/model-metrics{view}", lambda text: "val_acc" in text)
+        driver.save_screenshot(str(shots / "stage-model-metrics.png"))
         table_page = shown(driver, f"{url}/#/experiments/{experiment}/runs/{stage.info.run_id}/artifacts/"
                                    f"clients.json{view}", lambda text: "View as table" in text and "test_acc" in text)
-        driver.save_screenshot(str(workdir / "stage-clients-table.png"))
+        driver.save_screenshot(str(shots / "stage-clients-table.png"))
         assert stage.info.run_name == f"personalize · {names[1]}"
         assert "View as table" in table_page and table_page.index("name") < table_page.index("test_acc")
+
+        driver.get(local_artifact(client.tracking_uri, run_ids[1], REPORT_ARTIFACT).as_uri())  # the run's own, as a file
+        assert plots_in(driver, 5) == 5
+        full_page(driver, shots / "report.png")
 
         driver.get(both.as_uri())
         assert plots_in(driver, 5) == 5
         side_by_side = driver.find_element("tag name", "body").text
-        driver.set_window_size(1400, 3000)
-        driver.save_screenshot(str(workdir / "report-side-by-side.png"))
+        full_page(driver, shots / "report-side-by-side.png")
         assert f"fedpilot report: {names[0]} vs {names[1]}" in side_by_side
+        assert re.search(r"^lr=0\.01 pretrain miss", side_by_side, re.MULTILINE), side_by_side[:2000]  # short labels

@@ -83,16 +83,16 @@ def validate(
     full: Annotated[bool, typer.Option("--full", help="Print the whole resolved spec (every default filled in, "
                                                       "without keys that do not apply).")] = False,
 ) -> None:
-    """Compose and validate a pipeline and run every check a run would (it builds the dataset, into the cache,
-    and the model); print a summary of what will run (--full: the resolved spec) or the first error."""
+    """Compose and validate a pipeline and run every check a run would (it builds the dataset, into the cache; a
+    built-in model's options are checked by their schema, and the model is built only where a check needs its
+    parameters); print a summary of what will run (--full: the resolved spec) or the first error."""
     from omegaconf import OmegaConf
 
     from fedpilot.overview import applicable, summary
-    from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.pipeline import prepare
     from fedpilot.settings import cache_root
     from fedpilot.spec import load_pipeline
 
-    quiet_lightning()
     try:
         spec = load_pipeline(pipeline, overrides or [])
         prepared = checked(lambda: prepare(spec, cache_dir or cache_root()))

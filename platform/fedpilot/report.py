@@ -21,12 +21,13 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from fedpilot.errors import SpecError
-from fedpilot.tracking import CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
+from fedpilot.tracking import CACHE_SOURCE_TAG, CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
 
 REPORT_ARTIFACT = "report.html"
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse")
@@ -108,26 +109,61 @@ def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
     return PipelineRun(run_id, run.info.run_name, run.info.experiment_id, stages, run.info.run_name)
 
 
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """Each dotted key by its shortest ending that tells it from the others (stages.1.params.lr_v -> lr_v)."""
+    short = {}
+    for key in keys:
+        words, n = key.split("."), 1
+        while any(other != key and other.split(".")[-n:] == words[-n:] for other in keys):
+            n += 1
+        short[key] = ".".join(words[-n:])
+    return short
+
+
 def labelled(runs: list[PipelineRun]) -> list[PipelineRun]:
-    """Runs labelled by the words of their names that not all of them share ("small lr=0.1" and "small lr=0.2" become
-    "lr=0.1" and "lr=0.2"); the whole name where that leaves nothing or two the same."""
-    common = set.intersection(*(set(r.name.split()) for r in runs)) if len(runs) > 1 else set()
-    labels = [" ".join(w for w in r.name.split() if w not in common) or r.name for r in runs]
+    """Runs labelled by the words of their names that not all of them share, an override's key by its shortest
+    ending that tells it from the others' ("small stages.2.local.lr=0.1" and "small stages.2.local.lr=0.2" become
+    "lr=0.1" and "lr=0.2", short enough for a legend and a table's column); the whole name where that leaves nothing
+    or two the same."""
+    if len(runs) == 1:
+        runs[0].label = runs[0].name
+        return runs
+    common = set.intersection(*(set(r.name.split()) for r in runs))
+    differing = [[w for w in r.name.split() if w not in common] for r in runs]
+    keys = short_keys(sorted({w.partition("=")[0] for words in differing for w in words if "=" in w}))
+    labels = [" ".join(_shortened(w, keys) for w in words) or r.name for r, words in zip(runs, differing, strict=True)]
     unique = len(set(labels)) == len(labels)
     for run, label in zip(runs, labels, strict=True):
         run.label = label if unique else run.name
     return runs
 
 
+def _shortened(word: str, keys: dict[str, str]) -> str:
+    """An override `key=value` with its key shortened (`keys`); any other word as it is."""
+    key, equals, value = word.partition("=")
+    return f"{keys[key]}={value}" if equals and key in keys else word
+
+
 def _stage(client: MlflowClient, run) -> Stage:
+    """A stage run as the report reads it. A stage reused from the cache logged the evaluations the cache keeps, not
+    the training loss of its rounds: that curve comes from the run that trained it (tag fedpilot.cache_source)."""
     run_id, metrics = run.info.run_id, run.data.metrics
-    curves = {key: _history(client, run_id, key) for key in curve_keys(primary_metric(metrics)) if key in metrics}
+    source = run.data.tags.get(CACHE_SOURCE_TAG)
+    curves = {}
+    for key in curve_keys(primary_metric(metrics)):
+        series = _history(client, run_id, key) if key in metrics else _history(client, source, key)
+        if len(series):
+            curves[key] = series
     return Stage(run.data.tags[STAGE_TAG], run_id, run.data.tags.get(CACHE_TAG, ""), dict(metrics),
                  _clients(client, run_id), curves)
 
 
-def _history(client: MlflowClient, run_id: str, key: str) -> pd.Series:
-    points = client.get_metric_history(run_id, key)
+def _history(client: MlflowClient, run_id: str | None, key: str) -> pd.Series:
+    """The series `key` of run `run_id` by step (empty when the run is None or gone)."""
+    try:
+        points = client.get_metric_history(run_id, key) if run_id else []
+    except MlflowException:  # a cache source run deleted since
+        points = []
     return pd.Series({p.step: p.value for p in points}, dtype=float).sort_index()
 
 
@@ -317,7 +353,8 @@ def table_figure(table: pd.DataFrame) -> go.Figure:
     options = [(f"{c} ↓", table.sort_values(c, ascending=False, na_position="last")) for c in table.columns[1:]]
     options += [(f"{c} ↑", table.sort_values(c, na_position="last")) for c in table.columns[1:]]
     options.insert(0, ("client order", table))
-    fig = go.Figure(go.Table(header={"values": list(table.columns), "align": "left", "fill_color": "#e8eef7"},
+    header = [c.replace(" / ", "<br>") for c in table.columns]  # a run's label above the stage
+    fig = go.Figure(go.Table(header={"values": header, "align": "left", "fill_color": "#e8eef7"},
                              cells={"values": cells(table), "align": "left"}))
     fig.update_layout(updatemenus=[{"buttons": [{"label": label, "method": "restyle",
                                                  "args": [{"cells.values": [cells(frame)]}]}

@@ -22,16 +22,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from fedpilot.data import DatasetSpec
+from fedpilot.data.config import DatasetSpec
 from fedpilot.engine.config import StageConfig
 from fedpilot.errors import SpecError, check_finite, from_validation
-from fedpilot.models import PRESETS, check_model, option_types
+from fedpilot.models.options import PRESETS, validated_options
 from fedpilot.names import check_name
 
 
@@ -329,7 +328,8 @@ class Strict(BaseModel):
 
 
 class ModelSpec(BaseModel):
-    """A registered model name (fedpilot.models.MODELS) and its options, e.g. {name: mlp, hidden: [200]}."""
+    """A registered model name (fedpilot.models.MODELS) and its options, e.g. {name: mlp, hidden: [200]}: a built-in's
+    checked by its schema (fedpilot.models.options, no torch), a plugin's by its builder's annotations."""
 
     model_config = ConfigDict(extra="allow")
     name: str
@@ -340,13 +340,8 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _registered(self) -> ModelSpec:
-        check_model(self.name, self.options)
-        hints = option_types(self.name)
-        for key, value in self.options.items():  # each option as its builder's signature types it
-            try:
-                setattr(self, key, TypeAdapter(hints[key]).validate_python(value))
-            except ValidationError as err:
-                raise SpecError(f"model.{key}", value, err.errors()[0]["msg"]) from None
+        for key, value in validated_options(self.name, self.options).items():
+            setattr(self, key, value)
         return self
 
 

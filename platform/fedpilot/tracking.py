@@ -34,6 +34,7 @@ from fedpilot import plots
 from fedpilot.errors import SpecError
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
+CACHE_SOURCE_TAG = "fedpilot.cache_source"  # a stage reused from the cache: the run that trained it
 SPEC_ARTIFACT, CLIENTS_TABLE = "pipeline.json", "clients.json"
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
 NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page

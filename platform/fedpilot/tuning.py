@@ -33,7 +33,7 @@ from sqlalchemy.exc import IntegrityError
 from fedpilot.db import Lease, connect
 from fedpilot.errors import SpecError
 from fedpilot.pipeline import PipelineRunner
-from fedpilot.report import log_report
+from fedpilot.report import log_report, short_keys
 from fedpilot.settings import tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
 from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
@@ -337,17 +337,6 @@ class Search:
             best_values, best_params = list(best.values), dict(best.params)
         return SearchResult(self.study_name, self.run_id, len(finished), pruned, best_values, best_params,
                             self.rounds_trained)
-
-
-def short_keys(keys: list[str]) -> dict[str, str]:
-    """Each dotted key by its shortest ending that tells it from the others (stages.1.params.lr_v -> lr_v)."""
-    short = {}
-    for key in keys:
-        words, n = key.split("."), 1
-        while any(other != key and other.split(".")[-n:] == words[-n:] for other in keys):
-            n += 1
-        short[key] = ".".join(words[-n:])
-    return short
 
 
 def trial_name(pipeline: str, number: int, values: dict[str, Any]) -> str:

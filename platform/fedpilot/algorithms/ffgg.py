@@ -58,23 +58,16 @@ Choices the paper leaves open (each one tested in tests/test_algo_ffgg.py):
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
-from fedpilot.api import (
-    Aggregator,
-    Algorithm,
-    AlgorithmParams,
-    Cohort,
-    LocalConfig,
-    Params,
-    RoundInfo,
-    Upload,
-    WeightedMean,
-    round_generator,
-)
+from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, RoundInfo, Upload, WeightedMean
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedpilot.api import Cohort, LocalConfig, Params
 
 DELAYS, ATTACK_NOISE, BUCKETS, BYZANTINES = 1, 2, 3, 4  # tags of the seeded generators (never a plan's phase key)
 
@@ -134,6 +127,8 @@ class Ffgg(Stateless):
     Params = FfggParams
 
     def local_update(self, cohort: Cohort) -> Upload:
+        import torch
+
         model = self.client_model(cohort)
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau, model)  # Algorithm 2
         grad = cohort.gradient("shared", epochs=self.p.grad_epochs, shared=model)
@@ -160,6 +155,8 @@ class LocalFfgg(Stateless):
     Params = LocalFfggParams
 
     def local_update(self, cohort: Cohort) -> Upload:
+        import torch
+
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau)  # Algorithm 2
         budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.p.alt_steps)
         theta = None
@@ -172,6 +169,8 @@ class LocalFfgg(Stateless):
 
 def alternations(local: LocalConfig, sizes: torch.Tensor, alt_steps: int | None) -> torch.Tensor:
     """K for clients with `sizes` train samples: `alt_steps`, or each one's step count of the `local` budget."""
+    import torch
+
     if alt_steps is not None or local.steps is not None:
         return torch.full_like(sizes, alt_steps or local.steps)
     return torch.ceil(local.epochs * torch.ceil(sizes / local.batch_size)).long()
@@ -187,6 +186,8 @@ class AsyncFfgg(Ffgg):
         return RecentModels(self.p.max_delay)
 
     def client_model(self, cohort: Cohort) -> Params:
+        import torch
+
         models = {**cohort.server_state.get("models", {}), cohort.round: cohort.shared}
         delays = draw_delays(cohort.round_key, cohort.cohort_size, self.p.max_delay)[cohort.rows]
         origin = (cohort.round - delays).clamp_min(min(models))
@@ -210,6 +211,10 @@ class RecentModels(WeightedMean):
 
 def draw_delays(round_key: tuple[int, ...], cohort_size: int, max_delay: int) -> torch.Tensor:
     """The delays of a whole cohort [cohort_size], uniform on {0, .., max_delay}, from its (seed, stage, round)."""
+    import torch
+
+    from fedpilot.api import round_generator
+
     gen = round_generator(*round_key, 0, DELAYS)
     return torch.randint(0, max_delay + 1, (cohort_size,), generator=gen)
 
@@ -224,6 +229,8 @@ class RobustFfgg(Ffgg):
         return RobustAggregate(self.p.rule, self.p.bucket_size, self.p.trim)
 
     def local_update(self, cohort: Cohort) -> Upload:
+        import torch
+
         upload = super().local_update(cohort)
         seed, stage = cohort.round_key[:2]
         byzantine = byzantine_clients(seed, stage, cohort.n_clients, self.p.byzantine_fraction)
@@ -234,6 +241,10 @@ class RobustFfgg(Ffgg):
 
     def attack(self, cohort: Cohort, grads: Params) -> Params:
         """What Byzantine clients send instead of their honest `grads` [K, ...]."""
+        import torch
+
+        from fedpilot.api import round_generator
+
         scale = self.p.attack_scale
         if self.p.attack == "sign_flip":
             return {n: -scale * g for n, g in grads.items()}
@@ -244,6 +255,10 @@ class RobustFfgg(Ffgg):
 
 def byzantine_clients(seed: int, stage: int, n_clients: int, fraction: float) -> torch.Tensor:
     """The stage's fixed Byzantine clients: floor(fraction * n_clients) ids from a (seed, stage) permutation."""
+    import torch
+
+    from fedpilot.api import round_generator
+
     count = math.floor(fraction * n_clients)
     return torch.randperm(n_clients, generator=round_generator(seed, stage, 0, 0, BYZANTINES))[:count]
 
@@ -261,6 +276,10 @@ class RobustAggregate(Aggregator):
         self.upload_bytes += sum(g.numel() * g.element_size() for g in upload.grad.values())
 
     def result(self, info: RoundInfo, state: dict) -> tuple[Params, dict]:
+        import torch
+
+        from fedpilot.api import round_generator
+
         stacked = {n: torch.cat([u[n] for u in self.uploads]) for n in self.uploads[0]}
         gen = round_generator(*info.key, 0, BUCKETS)
         return robust_mean(stacked, self.rule, self.bucket_size, self.trim, gen), state
@@ -273,6 +292,8 @@ def robust_mean(values: Params, rule: str, bucket_size: int, trim: float, gen: t
     one may be smaller); `median` keeps the middle one or two bucket means per coordinate, `trimmed_mean` drops
     floor(trim * buckets) at each end; `mean` is the plain mean of the M inputs (no defence).
     """
+    import torch
+
     if rule == "mean":
         return {name: v.mean(0) for name, v in values.items()}
     m = len(next(iter(values.values())))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from pydantic import Field
 
 from fedpilot.api import Algorithm, AlgorithmParams, Upload
@@ -48,6 +47,8 @@ class PerFedAvg(Algorithm):
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
+        import torch
+
         k = len(cohort)
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         beta = cohort.local.lr * cohort.lr_factor

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from pydantic import Field
 
 from fedpilot.api import Algorithm, AlgorithmParams, Upload
@@ -54,6 +53,8 @@ class PFedMe(Algorithm):
         return "all"
 
     def local_update(self, cohort: Cohort) -> Upload:
+        import torch
+
         k = len(cohort)
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         cohort.personal = {n: v.clone() for n, v in w.items()}

@@ -38,12 +38,16 @@ and Eqs. 1-6. Choices where the paper is ambiguous:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
-from fedpilot.api import Algorithm, Cohort, StatefulParams, Upload, WeightedMean
+from fedpilot.api import Algorithm, StatefulParams, Upload, WeightedMean
 
-Params = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+    from fedpilot.api import Cohort, Params
 
 
 class PflegoParams(StatefulParams):

@@ -6,7 +6,6 @@ A partitioner takes (labels, groups, spec, rng) and returns the sample indices o
 from __future__ import annotations
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from fedpilot.data.config import PartitionSpec, SplitSpec
 from fedpilot.errors import SpecError
@@ -149,6 +148,8 @@ def split_client(indices: np.ndarray, labels: np.ndarray, spec: SplitSpec,
 def _cut(indices: np.ndarray, size: int, labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(rest, `size` samples) of `indices`: stratified by label when every class has >= 2 samples and both
     parts can hold every class, else a plain seeded shuffle split."""
+    from sklearn.model_selection import train_test_split  # scikit-learn only when a dataset is built
+
     if size == 0:
         return indices, indices[:0]
     own = labels[indices]

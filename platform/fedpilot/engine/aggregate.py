@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from fedpilot.engine.local import Params
 from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedpilot.engine.local import Params
 
 
 class WeightedMean(ReducibleAggregator):
@@ -26,6 +27,8 @@ class WeightedMean(ReducibleAggregator):
         self.upload_bytes = 0
 
     def add(self, upload: Upload, info: RoundInfo) -> None:
+        import torch
+
         values = upload.grad if upload.grad is not None else upload.shared
         for name, value in values.items():
             w = upload.weight.to(value.dtype)
@@ -47,11 +50,16 @@ class WeightedMean(ReducibleAggregator):
 
     def normalized(self) -> Params:
         """The weighted sums divided by their weights."""
+        import torch
+
         return {n: t / torch.as_tensor(self.weight[n]).clamp_min(1e-12) for n, t in self.total.items()}
 
     def all_reduce(self, info: RoundInfo, device: torch.device) -> None:
         """Sum the totals, weights and upload bytes of every DDP process into each, so that `result()` is the
         whole cohort's everywhere. Weights are expanded to their parameter's shape (a process may hold none)."""
+        import torch
+        import torch.distributed as dist
+
         names = list(info.broadcast)
         counts = [float(name in self.total) for name in names] + [float(self.upload_bytes)]
         sent = torch.tensor(counts, dtype=torch.float64, device=device)

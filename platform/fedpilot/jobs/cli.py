@@ -252,10 +252,9 @@ def schedule_add(
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials. With `--to
     slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
     from fedpilot.jobs.schedule import first_firings, plan, store
-    from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.pipeline import prepare
     from fedpilot.settings import cache_root
 
-    quiet_lightning()
     flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
              "qos": qos}
     try:

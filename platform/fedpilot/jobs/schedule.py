@@ -217,8 +217,7 @@ def study_trials(engine: Engine, study: str) -> int:
     """The trials of an Optuna study in the platform database that count towards a firing's total (finished,
     running or waiting); 0 for a study that does not exist yet."""
     from optuna.storages import RDBStorage
-
-    from fedpilot.tuning import STARTED
+    from optuna.trial import TrialState  # not fedpilot.tuning's STARTED: importing tuning imports torch
 
     if not inspect(engine).has_table("studies"):
         return 0
@@ -227,7 +226,7 @@ def study_trials(engine: Engine, study: str) -> int:
         study_id = storage.get_study_id_from_name(study)
     except KeyError:
         return 0
-    return len(storage.get_all_trials(study_id, deepcopy=False, states=STARTED))
+    return sum(trial.state != TrialState.FAIL for trial in storage.get_all_trials(study_id, deepcopy=False))
 
 
 def first_firings(engine: Engine, schedule: Schedule, now: datetime | None = None) -> str:

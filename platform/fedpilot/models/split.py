@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedpilot.errors import SpecError
+from fedpilot.models.options import PRESETS
 from fedpilot.models.zoo import BasicBlock, Block
-
-PRESETS = ["none", "input_layer", "output_layer", "adapters", "all"]
 
 
 class Adapter(nn.Module):

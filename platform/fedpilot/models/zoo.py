@@ -1,4 +1,5 @@
-"""The model registry. Every model is `head(body(x))`: `body` maps inputs to features, `head` is a Linear.
+"""The built-in models. Every model is `head(body(x))`: `body` maps inputs to features, `head` is a Linear. Their
+registry, their options' schemas and what they read live in fedpilot.models.options (no torch there).
 
 The engine relies on that split (trunk features once when only the head is personal) and on models being
 functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no state changed in forward.
@@ -6,16 +7,24 @@ functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no state chan
 
 from __future__ import annotations
 
-import inspect
 import math
-from typing import Any, get_type_hints
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedpilot.errors import SpecError
-from fedpilot.registry import Registry
+from fedpilot.models.options import (
+    IMAGES,
+    MODELS,
+    TOKENS,
+    check_groups,
+    check_heads,
+    check_rank,
+    option_names,
+    validated_options,
+)
 
 
 class Net(nn.Module):
@@ -51,7 +60,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | tupl
 
 def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> Net:
     """The 2-conv CNN of FedAvg (McMahan et al. 2017) for EMNIST/FEMNIST: ~1.7M parameters at 28x28, 62 classes."""
-    channels, height, width = _check_rank("cnn", input_shape, 3, "images (channels, height, width)")
+    channels, height, width = check_rank("cnn", input_shape, 3, IMAGES)
     body = nn.Sequential(
         nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
@@ -81,9 +90,8 @@ class BasicBlock(nn.Module):
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64, groups: int = 2) -> Net:
     """ResNet-18 with GroupNorm (2 groups, as in Hsieh et al. 2020), 3x3 stride-1 stem, no max-pool."""
-    channels = _check_rank("resnet18", input_shape, 3, "images (channels, height, width)")[0]
-    if groups < 1 or width % groups:
-        raise SpecError("model.groups", groups, f"must be a positive divisor of width={width}")
+    channels = check_rank("resnet18", input_shape, 3, IMAGES)[0]
+    check_groups(width, groups)
     layers: list[nn.Module] = [nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.GroupNorm(groups, width),
                                nn.ReLU()]
     cin = width
@@ -145,17 +153,12 @@ def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int 
     input length. Presets: `input_layer` is the first transformer block and `output_layer` the last (paper 000's
     choice for a 10,000-word vocabulary, whose embedding and output layers are large), `adapters` Houlsby adapters.
     """
-    length = _check_rank("transformer", input_shape, 1, "token sequences (length,)")[0]
-    _check_heads(d_model, n_heads)
+    length = check_rank("transformer", input_shape, 1, TOKENS)[0]
+    check_heads(d_model, n_heads)
     vocab = vocab_size or num_classes
     blocks = [Block(d_model, n_heads) for _ in range(n_layers)]
     body = nn.Sequential(Embed(vocab, context or length, d_model), *blocks, nn.LayerNorm(d_model))
     return Net(body, nn.Linear(d_model, vocab), presets=_block_presets(n_layers))
-
-
-def _check_heads(d_model: int, n_heads: int) -> None:
-    if n_heads < 1 or d_model % n_heads:
-        raise SpecError("model.n_heads", n_heads, f"must be a positive divisor of d_model={d_model}")
 
 
 def _block_presets(n_layers: int) -> dict[str, list[str]]:
@@ -179,7 +182,7 @@ def char_lstm(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | 
               hidden: int = 256, layers: int = 2) -> Net:
     """LEAF's Shakespeare model: an 8-dimensional character embedding, 2 LSTM layers of 256, next-character logits
     at every position [B, T, vocab]."""
-    _check_rank("char_lstm", input_shape, 1, "token sequences (length,)")
+    check_rank("char_lstm", input_shape, 1, TOKENS)
     vocab = vocab_size or num_classes
     return Net(Recurrent(vocab, embed_dim, hidden, layers), nn.Linear(hidden, vocab))
 
@@ -203,7 +206,7 @@ def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: 
     lstm`) over the tokens, mean-pooled over the real tokens (those that are not `pad_id`, default the data's),
     then a linear head over the classes."""
     pad_id = 0 if pad_id is None else pad_id
-    length = _check_rank("text_classifier", input_shape, 1, "token sequences (length,)")[0]
+    length = check_rank("text_classifier", input_shape, 1, TOKENS)[0]
     if vocab_size is None:
         raise SpecError("model.vocab_size", None, "text_classifier needs a vocabulary: tokenize a text column "
                         "(dataset.text) or give model.vocab_size")
@@ -212,65 +215,19 @@ def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: 
                    nn.Linear(d_model, num_classes))
     if encoder != "transformer":
         raise SpecError("model.encoder", encoder, "unknown encoder", allowed=["transformer", "lstm"])
-    _check_heads(d_model, n_heads)
+    check_heads(d_model, n_heads)
     blocks = [Block(d_model, n_heads, causal=False) for _ in range(n_layers)]
     trunk = nn.Sequential(Embed(vocab_size, length, d_model), *blocks, nn.LayerNorm(d_model))
     presets = {k: [r.replace(r"body\.", r"body\.encoder\.") for r in v] for k, v in _block_presets(n_layers).items()}
     return Net(PooledEncoder(trunk, pad_id), nn.Linear(d_model, num_classes), presets=presets)
 
 
-def model_problem(name: str, component: Any) -> str | None:
-    """What keeps a plugin's `component` from being a model, or None: a plugin model is a Net subclass built as
-    `Model(input_shape, num_classes, **options)` (its options are the keyword arguments after those two)."""
-    if not (isinstance(component, type) and issubclass(component, Net)):
-        return "is not a subclass of fedpilot.api.Net (a model is head(body(x)))"
-    if len(inspect.signature(component).parameters) < 2:
-        return "does not take (input_shape, num_classes, **options)"
-    return None
-
-
-MODELS = Registry("model", {name: f"{__name__}:{name}" for name in (
-    "logreg", "mlp", "cnn", "resnet18", "transformer", "char_lstm", "text_classifier")},
-    group="fedpilot.models", check=model_problem, key="model.name")
-TOKEN_OPTIONS = ("vocab_size", "pad_id")  # what a model of token ids takes from the data when not set
-
-
-def _options(name: str) -> dict[str, inspect.Parameter]:
-    """The options of model `name`: its builder's parameters after (input_shape, num_classes)."""
-    return dict(list(inspect.signature(MODELS[name]).parameters.items())[2:])
-
-
-def option_types(name: str) -> dict[str, Any]:
-    """Each option of model `name` and its type (Any where the builder does not annotate it)."""
-    builder = MODELS[name]
-    hints = get_type_hints(builder.__init__ if isinstance(builder, type) else builder)
-    return {key: hints.get(key, Any) for key in _options(name)}
-
-
-def takes_tokens(name: str) -> bool:
-    """Whether the model `name` reads token ids (it has a vocabulary)."""
-    return "vocab_size" in _options(name)
-
-
-def check_model(name: str, options: dict[str, Any]) -> None:
-    """A SpecError unless `name` is a registered model and every option is one of its keyword arguments."""
-    allowed = list(_options(name))
-    for key, value in options.items():
-        if key not in allowed:
-            raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
-
-
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, tokens: dict[str, int] | None = None,
                 **options: Any) -> Net:
-    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs; `tokens` ({vocab_size,
-    pad_id}) fills a token model's options the pipeline does not set."""
-    check_model(name, options)
-    filled = {k: v for k, v in (tokens or {}).items() if k in _options(name) and options.get(k) is None}
+    """The registered model `name` for inputs of `input_shape` and `num_classes` outputs, its `options` checked
+    (fedpilot.models.options); `tokens` ({vocab_size, pad_id}) fills a token model's options the pipeline does not
+    set."""
+    options = validated_options(name, options)
+    filled = {k: v for k, v in (tokens or {}).items() if k in option_names(name) and options.get(k) is None}
     return MODELS[name](tuple(input_shape), num_classes, **{**options, **filled})
 
-
-def _check_rank(name: str, input_shape: tuple[int, ...], rank: int, what: str) -> tuple[int, ...]:
-    """`input_shape` if it has `rank` dimensions, else a SpecError saying what the model takes."""
-    if len(input_shape) != rank:
-        raise SpecError("model.name", name, f"takes {what}, but the inputs have shape {tuple(input_shape)}")
-    return tuple(input_shape)

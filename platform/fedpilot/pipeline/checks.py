@@ -1,27 +1,38 @@
 """Every check that can fail on a user's input, before anything is created: `prepare` builds what a pipeline needs
-(data, model, algorithms, device) and runs them; `fedpilot validate`, `run`, `search` and `submit` all call it."""
+(data, algorithms) and runs them; `fedpilot validate`, `run`, `search` and `submit` all call it.
+
+Checking a pipeline imports torch only where a check needs it. A built-in model's options are checked by its
+torch-free schema (fedpilot.models.options), and with them its fit to the data and whether the `adapters` preset has
+somewhere to go, so it need not be built. The model is built (torch imported) only when a check needs its
+parameters: a plugin model (its builder is code), a personalization given as name regexes (does each match a
+parameter?), an algorithm that adds to the model (`prepare_model`: pFedGate's gate, HeteroFL's width masks, Self-FL's
+state shapes). `device: cuda` asks torch whether CUDA is there, `devices` > 1 how many GPUs. What training needs on
+top of the checks (the device, the model, the data's tensors, the task) a `Prepared` makes on first use."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from fedpilot.algorithms import build_algorithm
-from fedpilot.data import FederatedData, build_federated_data
-from fedpilot.engine.data import Augment, ClientData
+from fedpilot.data.federated import FederatedData, build_federated_data
 from fedpilot.engine.protocol import Algorithm
-from fedpilot.engine.stage import splits_across_processes
-from fedpilot.engine.task import Task, make_task
 from fedpilot.errors import SpecError
-from fedpilot.models import MODELS, apply_split, build_model
-from fedpilot.models.zoo import takes_tokens
+from fedpilot.models.options import MODELS, PRESETS, SCHEMAS, reads_tokens, token_readers
 from fedpilot.spec import PipelineSpec, StageSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedpilot.engine.data import ClientData
+    from fedpilot.engine.task import Task
 
 
 def resolve_device(requested: str) -> torch.device:
+    import torch
+
     if requested == "cuda" and not torch.cuda.is_available():
         raise SpecError("device", requested, "no CUDA device is available here", allowed=["auto", "cpu"])
     return torch.device("cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
@@ -35,14 +46,20 @@ def under_slurm() -> bool:
     return SLURMEnvironment.detect()
 
 
-def check_devices(spec: PipelineSpec, device: torch.device, algorithms: list[Algorithm], here: bool = True) -> None:
+def check_devices(spec: PipelineSpec, device: torch.device | None, algorithms: list[Algorithm],
+                  here: bool = True) -> None:
     """`devices` > 1 (DDP) needs that many GPUs on a GPU, and stages whose server aggregate is made of sums; `nodes`
-    > 1 runs as a Slurm job. With `here` off (a pipeline checked for a cluster) what this machine has is not asked."""
+    > 1 runs as a Slurm job. With `here` off (a pipeline checked for a cluster) what this machine has is not asked.
+    `device` may be None when `devices` and `nodes` are 1 (nothing about it is asked then)."""
     if here and spec.nodes > 1 and not under_slurm():
         raise SpecError("nodes", spec.nodes, "several nodes run as a Slurm job: fedpilot submit PIPELINE --to slurm")
     if spec.devices == 1 and spec.nodes == 1:
         return
-    if here and device.type == "cuda" and spec.devices > torch.cuda.device_count():
+    import torch
+
+    from fedpilot.engine.stage import splits_across_processes
+
+    if here and device is not None and device.type == "cuda" and spec.devices > torch.cuda.device_count():
         raise SpecError("devices", spec.devices, f"only {torch.cuda.device_count()} CUDA devices are visible here")
     for i, algorithm in enumerate(algorithms):
         if not splits_across_processes(algorithm):
@@ -56,22 +73,13 @@ def stage_split(spec: PipelineSpec, stage: StageSpec, algorithm_part: str | None
     return (algorithm_part or chosen.split), chosen.adapter_dim
 
 
-@dataclass
-class Prepared:
-    """What every check of a pipeline builds: the federated data (and its tensors for the engine), the task, the
-    model, the stages' algorithms, the device."""
-
-    data: FederatedData
-    tensors: ClientData
-    task: Task
-    model: torch.nn.Module
-    algorithms: list[Algorithm]
-    device: torch.device
-
-
 def client_data(data: FederatedData) -> ClientData:
     """The engine's tensors of a built dataset, sharing its (memory-mapped) arrays: next-token windows become
     inputs [:, :-1] and targets [:, 1:] (two views of one array), pixels stay uint8 until a batch needs them."""
+    import torch
+
+    from fedpilot.engine.data import Augment, ClientData
+
     x = torch.from_numpy(data.x)
     inputs, targets = (x[:, :-1], x[:, 1:]) if data.y is None else (x, torch.from_numpy(data.y))
     pixels = x.dtype == torch.uint8
@@ -82,24 +90,98 @@ def client_data(data: FederatedData) -> ClientData:
                       std=None if data.std is None else torch.tensor(data.std), augment=augment)
 
 
-def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
-    """The pipeline's model for this data (seeded): its outputs and, for token inputs, its vocabulary."""
+def check_model_fits(spec: PipelineSpec, data: FederatedData) -> None:
+    """The model reads this data: token ids or features (known from its name), and for a built-in its schema's
+    checks against the data's shape and vocabulary (no torch)."""
     name, tokens = spec.model.name, data.specials is not None
-    if tokens != takes_tokens(name):
-        reads = [m for m in MODELS.loadable() if takes_tokens(m) == tokens]
+    if tokens != reads_tokens(name):
         what = "token ids (a tokenized text column)" if tokens else f"inputs of shape {data.feature_shape}"
-        raise SpecError("model.name", name, f"does not read this dataset's {what}", allowed=reads)
+        raise SpecError("model.name", name, f"does not read this dataset's {what}", allowed=token_readers(tokens))
+    if name in SCHEMAS:
+        SCHEMAS[name].model_validate(spec.model.options).fits(name, data.feature_shape, data.vocab_size)
+
+
+def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
+    """The pipeline's model for this data (seeded): its outputs and, for token inputs, its vocabulary. A plugin that
+    fails to build is a SpecError naming it, whatever it raises; a built-in whose options passed its schema builds."""
+    import torch
+
+    from fedpilot.models.zoo import build_model
+
+    tokens = data.specials is not None
     vocab = {"vocab_size": data.vocab_size, "pad_id": data.specials["pad"]} if tokens else None
     torch.manual_seed(spec.seed)
-    plugin = name not in MODELS.builtins  # a plugin's failure to build is its own: whatever it raises, named
+    name = spec.model.name
     try:
         return build_model(name, data.feature_shape, data.num_classes, vocab, **spec.model.options)
-    except Exception as err:
-        if not (plugin or isinstance(err, RuntimeError | ValueError | TypeError)):  # a builder refusing its options
+    except Exception as err:  # a plugin's failure to build is its own: whatever it raises, named
+        if name in MODELS.builtins:
             raise
         problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        where = f" (the {MODELS.origin(name)})" if plugin else ""
-        raise SpecError("model", spec.model.model_dump(), f"cannot be built{where}: {problem}") from None
+        raise SpecError("model", spec.model.model_dump(), f"cannot be built (the {MODELS.origin(name)}): "
+                        f"{problem}") from None
+
+
+class Prepared:
+    """A checked pipeline: its federated data and its stages' algorithms. What training needs on top, the device,
+    the model, the data's tensors and the task, is made on first use (torch then), so checking a pipeline imports
+    torch only where a check needs it."""
+
+    def __init__(self, spec: PipelineSpec, data: FederatedData, algorithms: list[Algorithm], here: bool = True):
+        self.spec, self.data, self.algorithms, self.here = spec, data, algorithms, here
+
+    @cached_property
+    def device(self) -> torch.device:
+        return resolve_device(self.spec.device if self.here else "cpu")
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        return model_for(self.spec, self.data)
+
+    @cached_property
+    def tensors(self) -> ClientData:
+        return client_data(self.data)
+
+    @cached_property
+    def task(self) -> Task:
+        from fedpilot.engine.task import make_task
+
+        return make_task(self.data.task, self.data.specials)
+
+
+def needs_model(spec: PipelineSpec, algorithms: list[Algorithm]) -> bool:
+    """Whether a check needs the built model's parameters: a plugin model, a stage whose personal part is a list of
+    name regexes, or an algorithm that adds to the model (overrides `prepare_model`)."""
+    if spec.model.name not in MODELS.builtins:
+        return True
+    return any(isinstance(stage_split(spec, stage, algorithm.personal_part)[0], list)
+               or type(algorithm).prepare_model is not Algorithm.prepare_model
+               for stage, algorithm in zip(spec.stages, algorithms, strict=True))
+
+
+def check_personal_parts(spec: PipelineSpec, prepared: Prepared) -> None:
+    """Each stage's personal part exists in the model as its algorithm leaves it: checked on a copy of the built model
+    where a check needs its parameters (needs_model), else by the built-in model's schema (every preset applies,
+    `adapters` where the model has places for adapters)."""
+    probe = options = None
+    if needs_model(spec, prepared.algorithms):
+        from fedpilot.models.split import apply_split
+
+        probe = copy.deepcopy(prepared.model)
+    else:
+        options = SCHEMAS[spec.model.name].model_validate(spec.model.options)
+    for i, (stage, algorithm) in enumerate(zip(spec.stages, prepared.algorithms, strict=True)):
+        split, dim = stage_split(spec, stage, algorithm.personal_part)
+        try:
+            if probe is not None:
+                algorithm.prepare_model(probe, prepared.data.feature_shape)
+                apply_split(probe, split, dim)
+            elif split == "adapters" and not options.adapter_places():
+                raise SpecError("personalization", split, f"model {spec.model.name!r} has no place for adapters",
+                                allowed=[p for p in PRESETS if p != "adapters"])
+        except SpecError as err:
+            raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
+                            err.value, err.problem, err.allowed) from None
 
 
 def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
@@ -107,7 +189,8 @@ def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
     cohort sizes, algorithms, devices, personalization), before any run is created. `fedpilot validate` and
     `fedpilot run` both call it; `root` is the cache root (the dataset is cached under root/data). With `here` off
     (a pipeline submitted to a cluster) the devices it asks for need not exist on this machine."""
-    device = resolve_device(spec.device if here else "cpu")
+    if here and spec.device == "cuda":
+        resolve_device(spec.device)
     data = build_federated_data(spec.dataset, spec.seed, root / "data")
     for i, stage in enumerate(spec.stages):
         if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
@@ -117,16 +200,10 @@ def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
         if sampled is not None and sampled > data.n_clients:
             key = f"stages.{i}.eval_clients" if stage.eval_clients else "evaluation.clients"
             raise SpecError(key, sampled, f"the federation has only {data.n_clients} clients")
-    model = model_for(spec, data)
+    check_model_fits(spec, data)
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
-    check_devices(spec, device, algorithms, here)
-    probe = copy.deepcopy(model)
-    for i, stage in enumerate(spec.stages):
-        split, dim = stage_split(spec, stage, algorithms[i].personal_part)
-        try:
-            algorithms[i].prepare_model(probe, data.feature_shape)
-            apply_split(probe, split, dim)
-        except SpecError as err:
-            raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
-                            err.value, err.problem, err.allowed) from None
-    return Prepared(data, client_data(data), make_task(data.task, data.specials), model, algorithms, device)
+    prepared = Prepared(spec, data, algorithms, here)
+    several = spec.devices > 1 or spec.nodes > 1
+    check_devices(spec, prepared.device if here and several else None, algorithms, here)
+    check_personal_parts(spec, prepared)
+    return prepared

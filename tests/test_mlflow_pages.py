@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +36,7 @@ from fedpilot.tracking import local_artifact, table_order
 from fedpilot.tuning import trial_name
 from pipeline_fixtures import cli, run_id_of, write_pipeline
 from test_deploy import need
-from test_mlflow_server import free_port, wait_healthy
+from test_mlflow_server import running_mlflow_server
 
 STAGES = ("pretrain", "personalize", "finetune")
 PLOTS = "return [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg')).length"
@@ -78,18 +76,8 @@ def test_names_and_table_columns_put_what_differs_first():
 @contextmanager
 def mlflow_ui(workdir: Path) -> Iterator[str]:
     """`mlflow server` on the working directory's store, stopped by its PID at the end."""
-    url, log = f"http://127.0.0.1:{free_port()}", workdir / "mlflow-ui.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                                 f"sqlite:///{workdir}/mlflow.db", "--host", "127.0.0.1", "--port",
-                                 url.rsplit(":", 1)[1], "--workers", "1"], cwd=workdir, stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(url, proc, log)
+    with running_mlflow_server(workdir / "mlflow.db", workdir / "mlflow-ui.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @contextmanager

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -41,23 +43,29 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 9
     pytest.fail(f"mlflow server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on a free local port with a SQLite backend and served artifacts."""
-    root = tmp_path_factory.mktemp("mlflow-server")
+@contextmanager
+def running_mlflow_server(store: Path, log: Path, *options: str) -> Iterator[str]:
+    """`mlflow server` on a free local port over the SQLite store `store`, its output in `log`; stopped by its PID."""
     url = f"http://127.0.0.1:{free_port()}"
-    log = root / "server.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                                 f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts"),
-                                 "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--workers", "1"],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}",
+                                 *options, "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--workers", "1"],
+                                cwd=store.parent, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, proc, log)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on a free local port with a SQLite backend and served artifacts."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with running_mlflow_server(root / "mlflow.db", root / "server.log", "--artifacts-destination",
+                               str(root / "artifacts")) as url:
+        yield url
 
 
 def test_pipeline_against_a_real_tracking_server(mlflow_server, tmp_path):

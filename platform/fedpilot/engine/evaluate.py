@@ -10,7 +10,9 @@ from torch.func import functional_call, vmap
 
 from fedpilot.engine.data import ClientData, client_major_index
 from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
+from fedpilot.engine.pooling import MeasuredPooling, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
+from fedpilot.engine.timing import best_time
 from fedpilot.models.split import ParamSplit
 
 
@@ -40,16 +42,16 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
         return data.inputs(data.x[rows].to(device, non_blocking=True)), data.y[rows].to(device, non_blocking=True)
 
     personal_of = (lambda of: lambda rows: of(ids[rows.cpu()].to(device)))(personal_of)  # rows -> their params
-    with precision_context(precision, device):
+    with precision_context(precision, device), MeasuredPooling():  # threads enter it in `_scores`'s `apply`
         if not personal_of(torch.arange(0)):
-            return _flat(lambda inputs: forward(model, shared, inputs), task, rows_at, len(index), sizes,
+            return _flat(model, lambda inputs: forward(model, shared, inputs), task, rows_at, len(index), sizes,
                          max_samples)
         if split.head_only(split.personal_names):  # the shared body once per sample, the heads on its features
             body = split.in_body(shared)
 
             def features_at(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
                 inputs, labels = rows_at(start, stop)
-                return functional_call(model.body, body, (inputs,)), labels
+                return in_batches(model.body, lambda x: functional_call(model.body, body, (x,)), inputs), labels
 
             return _per_client(model.head, _plain, task, split.in_head(shared),
                                lambda rows: split.in_head(personal_of(rows)), features_at, sizes, execution,
@@ -57,20 +59,62 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
         return _per_client(model, forward, task, shared, personal_of, rows_at, sizes, execution, max_samples)
 
 
-def _flat(apply: Callable[[torch.Tensor], torch.Tensor], task: Task,
+def _flat(model: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], task: Task,
           rows_at: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], count: int, sizes: torch.Tensor,
           max_samples: int) -> dict[str, torch.Tensor]:
     """One model for every client: its `count` samples (client after client) in batches of `max_samples`, each
-    metric's sums and units added up per client."""
+    metric's sums and units added up per client; the model runs in `in_batches`."""
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
     sums = {m: (torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device),
                 torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device)) for m in task.metrics}
     for i in range(0, count, max_samples):
         inputs, labels = rows_at(i, i + max_samples)
-        for metric, (total, units) in task.scores(apply(inputs), labels).items():  # per sample
+        for metric, (total, units) in task.scores(in_batches(model, apply, inputs), labels).items():  # per sample
             sums[metric][0].index_add_(0, owner[i : i + max_samples], total.double())
             sums[metric][1].index_add_(0, owner[i : i + max_samples], units.double())
     return {m: (total / units).float() for m, (total, units) in sums.items()}
+
+
+FORWARD_BATCHES = tuple(2**i for i in range(4, 15))  # 16 ... 16384
+TIMED_SAMPLES = 256  # each smaller candidate batch is timed over this many samples
+_forward_batch: dict[tuple, tuple[int, float]] = {}  # per architecture and input: (batch, largest batch tried)
+
+
+def in_batches(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+    """apply(inputs) (the forward pass of `module`) in batches of the size measured fastest per sample for this
+    architecture and input shape: very large batches leave the caches, very small ones pay per-call costs
+    (bench/README.md has the measurements)."""
+    batch = _measured_batch(module, apply, inputs)
+    if batch >= len(inputs):
+        return apply(inputs)
+    return torch.cat([apply(inputs[i : i + batch]) for i in range(0, len(inputs), batch)])
+
+
+def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> int:
+    """The batch of FORWARD_BATCHES with the least seconds per sample (over max(batch, TIMED_SAMPLES) samples),
+    tried from the smallest up until one is 20% slower than the best or the inputs run out; measured once per
+    process for an architecture and input shape (again only when later inputs allow larger batches than an
+    unfinished search could try)."""
+    key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
+           tuple(inputs.shape[1:]), inputs.dtype, inputs.device, torch.is_autocast_enabled(inputs.device.type))
+    if key in _forward_batch and _forward_batch[key][1] >= len(inputs):
+        return _forward_batch[key][0]
+    best, best_rate, tried = len(inputs), float("inf"), 0.0
+    for size in (s for s in FORWARD_BATCHES if s <= len(inputs)):
+        timed = inputs[: max(size, TIMED_SAMPLES)]
+
+        def run(size: int = size, timed: torch.Tensor = timed) -> None:
+            for i in range(0, len(timed), size):
+                apply(timed[i : i + size])
+
+        rate, tried = best_time(run, inputs.device, repeats=2) / len(timed), size
+        if rate < best_rate:
+            best, best_rate = size, rate
+        elif rate > 1.2 * best_rate:
+            break
+    finished = tried == FORWARD_BATCHES[-1] or best < tried
+    _forward_batch[key] = (best, float("inf") if finished else tried)
+    return best
 
 
 def _plain(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +165,7 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
     idx = torch.where(mask, starts[:, None] + pos[None], torch.zeros_like(pos[None]))
     xb, yb = source[idx], labels[idx]
 
+    @with_measured_pooling
     def apply(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
         return forward(net, {**fixed, **params}, inputs)  # a personal copy wins over the global
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -22,6 +21,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Task
 
 if TYPE_CHECKING:
@@ -132,6 +132,8 @@ def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[...
 def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
                       layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
     """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
+
+    forward = with_measured_pooling(forward) if has_2d_maps(module) else forward
 
     def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
         leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
@@ -321,25 +323,6 @@ def executor_candidates(module: nn.Module) -> list[str]:
     if any(issubclass(k, nn.RNNBase) for k in kinds):
         return ["loop"]
     return ["vmap", "loop", *(["loop_channels_last"] if any(issubclass(k, nn.Conv2d) for k in kinds) else [])]
-
-
-def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
-            repeats: int = 3) -> tuple[str, dict[str, float]]:
-    """The candidate whose `run(candidate)` takes least time (the best of `repeats` runs after a warm-up run: the
-    first call of vmap or of a new layout pays for tracing and allocation), and each one's seconds."""
-    seconds = {}
-    for name in candidates:
-        times = []
-        for _ in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            run(name)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        seconds[name] = min(times[1:])
-    return min(seconds, key=seconds.__getitem__), seconds
 
 
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:

@@ -21,11 +21,12 @@ from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.local import Params, executor_candidates, fastest
+from fedpilot.engine.local import Params, executor_candidates
 from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
+from fedpilot.engine.timing import fastest
 from fedpilot.models.split import ParamSplit
 
 

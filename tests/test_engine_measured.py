@@ -1,0 +1,112 @@
+"""Choices the engine makes by measuring where it runs: the layout of each pooling call, the evaluation's forward
+batch. The timings are replaced by given ones where a test checks the choice, so no test depends on the machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import vmap
+
+from fedpilot.engine import evaluate, pooling
+from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps
+
+
+def small_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                         nn.AvgPool2d(2), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+@pytest.fixture
+def channels_last_wins(monkeypatch):
+    """Every pooling call measures channels-last faster: the mode's rerouted path runs."""
+    calls = []
+
+    def measured(func, args, kwargs):
+        calls.append((func, tuple(args[0].shape)))
+        return True
+
+    monkeypatch.setattr(pooling, "channels_last_is_faster", measured)
+    return calls
+
+
+def test_rerouted_pooling_gives_the_same_values_and_gradients_in_nchw(channels_last_wins):
+    model, x = small_cnn(), torch.randn(5, 3, 12, 12)
+    expected = model(x)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    seen = []
+    model[1].register_full_backward_hook(lambda m, gin, gout: seen.append(gout[0].is_contiguous()))
+    with MeasuredPooling():
+        got = model(x)
+        grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    assert {f for f, _ in channels_last_wins} >= {torch.nn.functional.max_pool2d, torch.nn.functional.avg_pool2d}
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+    assert seen == [True]  # the gradient reaching the ReLU came back NCHW, not channels-last
+
+
+def test_vmapped_pooling_passes_through_the_mode(channels_last_wins):
+    model, x = small_cnn(), torch.randn(2, 4, 3, 12, 12)
+    with MeasuredPooling():
+        got = vmap(model)(x)
+    torch.testing.assert_close(got, torch.stack([model(xi) for xi in x]))
+    assert channels_last_wins == []  # batched tensors are left alone
+
+
+def test_each_pooling_signature_is_measured_once(monkeypatch):
+    timed = []
+
+    def best_time(run, device, repeats=3):
+        timed.append(device)
+        run()
+        return 2.0 if len(timed) % 2 else 1.0  # NCHW 2 s, channels-last 1 s
+
+    monkeypatch.setattr(pooling, "best_time", best_time)
+    monkeypatch.setattr(pooling, "_channels_last_faster", {})
+    model = small_cnn()
+    with MeasuredPooling():
+        model(torch.randn(2, 3, 12, 12))
+        model(torch.randn(2, 3, 12, 12))
+        model(torch.randn(3, 3, 12, 12))
+    assert len(timed) == 2 * 3 * 2  # 3 pooling calls x 2 layouts, for each of 2 input shapes
+    assert all(pooling._channels_last_faster.values())
+
+
+def test_the_mode_is_entered_only_for_models_with_feature_maps():
+    assert has_2d_maps(small_cnn()) and not has_2d_maps(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3)))
+
+
+def measured(monkeypatch, rates: dict[int, float], n: int) -> int:
+    """The batch `in_batches` settles on for n inputs when a batch of b takes rates[b] seconds per sample."""
+    calls = []
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        return x * 2
+
+    def best_time(run, device, repeats=3):
+        calls.clear()
+        run()
+        return rates[calls[0]] * sum(calls)
+
+    monkeypatch.setattr(evaluate, "best_time", best_time)
+    inputs = torch.arange(float(n)).view(n, 1)
+    torch.testing.assert_close(evaluate.in_batches(nn.Linear(1, 1), apply, inputs), inputs * 2)  # only batching
+    return evaluate._forward_batch[next(iter(evaluate._forward_batch))][0]
+
+
+def test_the_evaluation_batch_is_the_fastest_per_sample_and_the_search_stops_past_the_minimum(monkeypatch):
+    monkeypatch.setattr(evaluate, "_forward_batch", {})
+    rates = {16: 5.0, 32: 3.0, 64: 2.0, 128: 2.1, 256: 2.6, 512: 0.1}  # 512 would win, but 256 is 30% past 64
+    assert measured(monkeypatch, rates, 1000) == 64
+    assert evaluate._forward_batch[next(iter(evaluate._forward_batch))][1] == float("inf")  # settled
+
+
+def test_an_unfinished_search_resumes_when_larger_inputs_come(monkeypatch):
+    monkeypatch.setattr(evaluate, "_forward_batch", {})
+    rates = {16: 4.0, 32: 3.0, 64: 2.0, 128: 1.0, 256: 0.5, 512: 0.4, 1024: 0.9}
+    assert measured(monkeypatch, rates, 100) == 64  # 100 samples: batches up to 64 could be tried
+    assert measured(monkeypatch, rates, 600) == 512  # up to 512 now, still unfinished (1024 not tried)
+    assert measured(monkeypatch, rates, 100) == 512  # smaller inputs reuse it (as one batch)

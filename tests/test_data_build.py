@@ -117,3 +117,22 @@ def test_dataset_config_groups_compose(tmp_path, name):
     assert set(dataset) == {"source", "partition", "split"} and spec.source.kind == dataset["source"]["kind"]
     if name == "digits":
         assert dataset["partition"] == {"kind": "dirichlet", "alpha": 0.3, "clients": 100, "min_size": 10}
+
+
+def mapping_flags(path: Path) -> list[set[str]]:
+    """The kernel's VmFlags of each mapping of `path` in this process (/proc/self/smaps)."""
+    flags, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            current = fields[5] if len(fields) > 5 else None
+        elif fields[0] == "VmFlags:" and current == str(path):
+            flags.append(set(fields[1:]))
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="Linux reports a mapping's advice in smaps")
+def test_cached_arrays_are_mapped_for_random_access(tmp_path):
+    data = digits(tmp_path, kind="iid", clients=5)
+    flags = mapping_flags(Path(data.x.filename).resolve())
+    assert flags and all("rr" in f for f in flags)  # MADV_RANDOM: no read-around of megabytes per fault

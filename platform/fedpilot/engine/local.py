@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.func import vmap
+from torch.func import grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
@@ -119,44 +119,31 @@ class TrainStats:
         self.steps += on
 
 
-LossOf = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def _autograd_step(loss_of: LossOf) -> Callable[..., tuple[Params, tuple]]:
-    """step(trainable, frozen, fixed, x, y, w) -> (gradient of the summed loss in each trainable tensor, (loss,
-    metric)), with plain autograd; parameters nothing depends on get zeros."""
-
-    def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        leaves = {n: p.detach().requires_grad_() for n, p in trainable.items()}
-        with torch.enable_grad():
-            value, metric = loss_of(leaves, frozen, fixed, x, y, w)
-            grads = torch.autograd.grad(value.sum(), list(leaves.values()), materialize_grads=True)
-        return dict(zip(leaves, grads, strict=True)), (value.detach(), metric.detach())
-
-    return step
-
-
-def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
-    """The gradients of every client at once [K, ...], with each client's (loss, metric): autograd through the
-    vmapped losses. A client's loss depends only on its own rows, so the gradient of the clients' summed loss
-    holds each client's gradient in its row; cheaper than vmap(grad(...)) (bench/README.md)."""
+def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
+    """grad(trainable, per_client_frozen, shared_frozen, x, y, w) of one client, with (loss, metric) as aux."""
 
     def loss(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        return task.loss(forward(module, {**trainable, **frozen, **fixed}, x), y, w)
+        value, metric = task.loss(forward(module, {**trainable, **frozen, **fixed}, x), y, w)
+        return value, (value, metric)
 
-    return _autograd_step(vmap(loss, in_dims=(0, 0, None, 0, 0, 0), randomness="different"))
+    return grad(loss, has_aux=True)
 
 
 def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
                       layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
-    """The gradient of one client, parameters and inputs in `layout` (as they are, or channels-last)."""
+    """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
+
     forward = with_measured_pooling(forward) if has_2d_maps(module) else forward
 
-    def loss(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        params = {n: layout(p) for n, p in {**trainable, **frozen, **fixed}.items()}
-        return task.loss(forward(module, params, layout(x)), y, w)
+    def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+        leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
+        others = {n: layout(p) for n, p in {**frozen, **fixed}.items()}
+        with torch.enable_grad():
+            value, metric = task.loss(forward(module, {**leaves, **others}, layout(x)), y, w)
+            grads = torch.autograd.grad(value, list(leaves.values()))
+        return dict(zip(leaves, grads, strict=True)), (value.detach(), metric)
 
-    return _autograd_step(loss)
+    return step
 
 
 def _as_stored(t: torch.Tensor) -> torch.Tensor:
@@ -222,7 +209,8 @@ class VmapExecutor(Executor):
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
-        step_grad = clients_grad(module, self.forward, self.task)
+        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
+                         randomness="different")
         trainable = {n: p.clone() for n, p in trainable.items()}
         for s in range(batches.index.shape[1]):
             active = batches.active[:, s]
@@ -237,7 +225,8 @@ class VmapExecutor(Executor):
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
                   stats: TrainStats) -> Params:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
-        step_grad = clients_grad(module, self.forward, self.task)
+        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
+                         randomness="different")
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
         for s in range(batches.index.shape[1]):

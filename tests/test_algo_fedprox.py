@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
@@ -39,11 +40,11 @@ def one_client(mu: float) -> tuple[dict, dict, int]:
     return start, {n: p.detach() for n, p in model.named_parameters()}, int(stage.sample_cohort(0))
 
 
-def local_gradient(params: dict, client: int) -> dict:
+def local_gradient(params: dict, client: int, model: nn.Module | None = None) -> dict:
     data = ToyData()
     lo, n = int(data.offsets["train"][client]), int(data.sizes["train"][client])
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    loss = F.cross_entropy(functional_call(TinyMLP(), leaves, (data.x[lo : lo + n],)), data.y[lo : lo + n])
+    loss = F.cross_entropy(functional_call(model or TinyMLP(), leaves, (data.x[lo : lo + n],)), data.y[lo : lo + n])
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
 
 

@@ -40,11 +40,14 @@ def keep_freed_memory(device: torch.device) -> None:
         libc.mallopt(M_MMAP_MAX, 0)
 
 
-def release_freed_memory() -> None:
-    """Return the allocator's free memory (in every arena) to the system: resident memory = memory in use."""
+def release_freed_memory(device: torch.device | None = None) -> None:
+    """Return the allocator's free memory (in every arena; on a GPU also torch's cached blocks) to the system:
+    resident memory = memory in use."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class PeakMemory:

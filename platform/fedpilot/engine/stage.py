@@ -22,7 +22,7 @@ from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.local import Params, executor_candidates
-from fedpilot.engine.memory import data_fits
+from fedpilot.engine.memory import data_fits, release_freed_memory
 from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
@@ -195,6 +195,7 @@ class FederatedStage(L.LightningModule):
 
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             choice, self.executor_seconds = fastest(executor_candidates(self.model), local_work, self.device)
+        release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         if distributed():
             shared_choice = [choice, self.executor_seconds]
             dist.broadcast_object_list(shared_choice, src=0)

@@ -40,6 +40,7 @@ from machine import describe  # noqa: E402
 from workload import DATA_DIR, RoundClock, median_after_warmup  # noqa: E402
 
 from fedpilot.algorithms import build_algorithm  # noqa: E402
+from fedpilot.data.federated import mapped  # noqa: E402
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
 from fedpilot.engine.data import ClientData  # noqa: E402
 from fedpilot.models import apply_split, build_model  # noqa: E402
@@ -104,11 +105,10 @@ def write_federation(clients: int, seed: int) -> None:
 
 
 def federation(clients: int, seed: int) -> ClientData:
-    """The first `clients` clients as the engine's ClientData over the memory-mapped arrays (copy-on-write, as the
-    pipeline maps its dataset cache); val and test are the train samples."""
+    """The first `clients` clients as the engine's ClientData over the memory-mapped arrays (mapped as the pipeline
+    maps its dataset cache: `fedpilot.data.federated.mapped`); val and test are the train samples."""
     folder = data_folder(seed)
-    x, y, offsets, sizes = (torch.from_numpy(np.load(folder / f"{name}.npy", mmap_mode="c"))
-                            for name in ("x", "y", "offsets", "sizes"))
+    x, y, offsets, sizes = (torch.from_numpy(mapped(folder / f"{name}.npy")) for name in ("x", "y", "offsets", "sizes"))
     offsets, sizes = offsets[:clients], sizes[:clients]
     return ClientData(x, y, dict.fromkeys(SPLITS, offsets), dict.fromkeys(SPLITS, sizes), scale=1 / 255)
 

@@ -10,6 +10,7 @@ from torch.func import vmap
 
 from fedpilot.engine import evaluate, pooling
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps
+from fedpilot.engine.timing import fastest
 
 
 def small_cnn() -> nn.Sequential:
@@ -58,20 +59,27 @@ def test_vmapped_pooling_passes_through_the_mode(channels_last_wins):
 def test_each_pooling_signature_is_measured_once(monkeypatch):
     timed = []
 
-    def best_time(run, device, repeats=3):
-        timed.append(device)
-        run()
-        return 2.0 if len(timed) % 2 else 1.0  # NCHW 2 s, channels-last 1 s
+    def fastest(candidates, run, device, repeats=3):
+        timed.append(tuple(candidates))
+        for name in candidates:
+            run(name)
+        return "channels_last", {}
 
-    monkeypatch.setattr(pooling, "best_time", best_time)
+    monkeypatch.setattr(pooling, "fastest", fastest)
     monkeypatch.setattr(pooling, "_channels_last_faster", {})
     model = small_cnn()
     with MeasuredPooling():
         model(torch.randn(2, 3, 12, 12))
         model(torch.randn(2, 3, 12, 12))
         model(torch.randn(3, 3, 12, 12))
-    assert len(timed) == 2 * 3 * 2  # 3 pooling calls x 2 layouts, for each of 2 input shapes
+    assert timed == [("nchw", "channels_last")] * 3 * 2  # 3 pooling calls, for each of 2 input shapes
     assert all(pooling._channels_last_faster.values())
+
+
+def test_candidates_take_turns_after_a_warm_up_each():
+    calls = []
+    choice, seconds = fastest(["a", "b"], calls.append, torch.device("cpu"), repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3 and set(seconds) == {"a", "b"} and choice in seconds
 
 
 def test_the_mode_is_entered_only_for_models_with_feature_maps():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fedpilot.engine.timing import best_time
+from fedpilot.engine.timing import fastest
 
 POOLINGS = frozenset({F.max_pool2d, F.max_pool2d_with_indices, F.avg_pool2d, F.adaptive_max_pool2d,
                       F.adaptive_avg_pool2d, F.lp_pool2d, torch.max_pool2d})
@@ -58,10 +58,10 @@ def channels_last_is_faster(func: Callable, args: tuple, kwargs: dict) -> bool:
     key = (func, tuple(x.shape), x.dtype, x.device, repr(args[1:]), repr(sorted(kwargs.items())))
     if key not in _channels_last_faster:
         sample = (x.detach(), *args[1:])
+        runs = {"nchw": lambda: func(*sample, **kwargs), "channels_last": lambda: _run_channels_last(func, sample, kwargs)}
         with torch.no_grad():
-            nchw = best_time(lambda: func(*sample, **kwargs), x.device)
-            channels_last = best_time(lambda: _run_channels_last(func, sample, kwargs), x.device)
-        _channels_last_faster[key] = channels_last < nchw
+            choice, _ = fastest(list(runs), lambda name: runs[name](), x.device)
+        _channels_last_faster[key] = choice == "channels_last"
     return _channels_last_faster[key]
 
 

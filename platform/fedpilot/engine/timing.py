@@ -8,11 +8,13 @@ from collections.abc import Callable
 import torch
 
 
-def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The least seconds of `repeats` runs of `run()` after a warm-up run (the first call of vmap or of a new
-    layout pays for tracing and allocation); CUDA work is waited for."""
+def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:
+    """The least seconds of `repeats` runs of `run()`, after a warm-up run unless `warm` is False (the first call
+    of vmap or of a new layout pays for tracing and allocation); CUDA work is waited for."""
+    if warm:
+        run()
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -20,11 +22,19 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return min(times[1:])
+    return min(times)
 
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
             repeats: int = 3) -> tuple[str, dict[str, float]]:
-    """The candidate whose `run(candidate)` takes least time by `best_time`, and each one's seconds."""
-    seconds = {name: best_time(lambda name=name: run(name), device, repeats) for name in candidates}
+    """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of `repeats` runs
+    after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the machine's
+    load during the timing falls on all of them alike."""
+    for name in candidates:
+        run(name)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name in candidates:
+            times[name].append(best_time(lambda name=name: run(name), device, repeats=1, warm=False))
+    seconds = {name: min(t) for name, t in times.items()}
     return min(seconds, key=seconds.__getitem__), seconds

@@ -7,6 +7,7 @@ import torch
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close, run_stage
 
 LOCAL = LocalConfig(epochs=1, batch_size=4, lr=0.1)
@@ -24,7 +25,7 @@ def ditto_stage(lam: float, algorithm: str = "ditto") -> FederatedStage:
 
 def test_vmap_and_loop_match_sequential():
     reference = run_stage("ditto", None, {"lam": 0.5}, "sequential", 1, LOCAL)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage("ditto", None, {"lam": 0.5}, execution, chunk, LOCAL)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

@@ -11,6 +11,7 @@ from torch.func import functional_call
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close, run_stage
 
 LOCAL = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
@@ -19,7 +20,7 @@ FULL_BATCH = LocalConfig(steps=100, batch_size=64, lr=0.2)  # a batch > every To
 
 def test_vmap_and_loop_match_sequential():
     reference = run_stage("fedprox", [], {"mu": 0.5}, "sequential", 1, LOCAL)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage("fedprox", [], {"mu": 0.5}, execution, chunk, LOCAL)
         assert_close(got[0], reference[0])
 

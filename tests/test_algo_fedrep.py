@@ -11,6 +11,7 @@ from torch.func import functional_call
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 
 LR = 0.2
@@ -50,7 +51,7 @@ def test_fedrep_trains_the_head_then_the_body_with_the_new_head_and_averages_bod
                                                   (INPUT, {"head_epochs": 1.5, "lr_body": 0.05})])
 def test_fedrep_vmap_and_loop_match_sequential(personal, params):
     reference = run_stage("fedrep", personal, params, "sequential", 1, EQUIVALENCE)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage("fedrep", personal, params, execution, chunk, EQUIVALENCE)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

@@ -345,7 +345,7 @@ def test_robust_ffgg_under_noise_attack_keeps_the_honest_progress_while_averagin
 def test_vmap_and_loop_match_sequential(algo, personal, params, epochs):
     local = LocalConfig(epochs=epochs, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
     reference = run_stage(algo, personal, params, "sequential", 1, local)
-    for execution, chunk in [("vmap", 3), ("loop", 2)]:
+    for execution, chunk in [("vmap", 3), ("vmap_autograd", 2), ("loop", 2)]:
         got = run_stage(algo, personal, params, execution, chunk, local)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

@@ -11,6 +11,7 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.resources import Levels
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 from fedpilot.errors import SpecError
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close
 
 RATE = ["width.rate"]
@@ -44,7 +45,7 @@ FULL, HALF = (int(torch.nonzero(RATE_OF.eq(r))[0]) for r in (1.0, 0.5))
 def test_vmap_and_loop_match_sequential():
     local = LocalConfig(epochs=1, batch_size=4, lr=0.1)
     reference = hetero_stage(local, execution="sequential", chunk=1, rounds=3)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = hetero_stage(local, execution=execution, chunk=chunk, rounds=3)
         assert_close(shared(got), shared(reference))
         assert torch.equal(got.state_bank.tensor("rate"), reference.state_bank.tensor("rate"))

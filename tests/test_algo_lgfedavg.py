@@ -8,6 +8,7 @@ import torch
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import INPUT, assert_close, run_stage
 
 LOCAL = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
@@ -15,7 +16,7 @@ LOCAL = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=
 
 def test_vmap_and_loop_match_sequential():
     reference = run_stage("lg_fedavg", INPUT, {"lr_v": 0.2}, "sequential", 1, LOCAL)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage("lg_fedavg", INPUT, {"lr_v": 0.2}, execution, chunk, LOCAL)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

@@ -7,6 +7,7 @@ import torch
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_algo_fedprox import local_gradient
 from test_engine_equivalence import assert_close, run_stage
 
@@ -14,7 +15,7 @@ from test_engine_equivalence import assert_close, run_stage
 def test_vmap_and_loop_match_sequential():
     local = LocalConfig(batch_size=4, lr=0.1)
     reference = run_stage("perfedavg", [], {"tau": 2, "alpha": 0.05}, "sequential", 1, local)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         assert_close(run_stage("perfedavg", [], {"tau": 2, "alpha": 0.05}, execution, chunk, local)[0], reference[0])
 
 

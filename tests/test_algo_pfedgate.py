@@ -16,6 +16,7 @@ from fedpilot.api import RoundInfo, Upload
 from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.errors import SpecError
 from fedpilot.models import build_model
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close, run_stage
 
 GATE = ["gate.budget", "gate.norm.weight", "gate.norm.bias", "gate.gates.weight", "gate.gates.bias",
@@ -174,7 +175,7 @@ def test_budget_smaller_than_the_kept_first_blocks_is_refused():
 def test_vmap_and_loop_match_sequential():
     local = LocalConfig(steps=2, batch_size=3, lr=0.1)  # full batches: the gate pools the same samples everywhere
     reference = run_stage("pfedgate", GATE, {"s": 0.5}, "sequential", 1, local, gated_mlp)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage("pfedgate", GATE, {"s": 0.5}, execution, chunk, local, gated_mlp)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

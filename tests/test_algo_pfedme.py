@@ -9,6 +9,7 @@ from torch import nn
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_algo_fedprox import local_gradient, norm
 from test_engine_equivalence import assert_close
 
@@ -46,7 +47,7 @@ def state(stage: FederatedStage) -> dict:
 def test_vmap_and_loop_match_sequential():
     params, local = {"lam": 2.0, "local_rounds": 2, "inner_steps": 2}, LocalConfig(batch_size=4, lr=0.05)
     reference = state(pfedme_stage(params, local, "sequential", 1)[0])
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         assert_close(state(pfedme_stage(params, local, execution, chunk)[0]), reference)
 
 

@@ -14,6 +14,7 @@ from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.pflego import Pflego
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 
 FULL_BATCH = LocalConfig(batch_size=64, lr=0.1)  # > every ToyData client's train set: each step is full-batch GD
@@ -130,7 +131,7 @@ def test_partial_participation_follows_algorithm_1_with_head_steps_and_the_unbia
 def test_vmap_and_loop_match_sequential(personal, params):
     local = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
     reference = run_stage(Pflego(params), personal, {}, "sequential", 1, local)
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = run_stage(Pflego(params), personal, {}, execution, chunk, local)
         assert_close(got[0], reference[0])
         assert_close(got[1], reference[1])

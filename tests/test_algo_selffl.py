@@ -24,6 +24,7 @@ from fedpilot.algorithms.selffl import (
 from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.task import Scores, Task
+from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close
 
 ALL = [n for n, _ in TinyMLP().named_parameters()]
@@ -177,7 +178,7 @@ def test_vmap_and_loop_match_sequential(algorithm):
     reference = selffl_stage("sequential", 1, algorithm=algorithm, params=params)
     fit(reference)
     assert len(set(reference.state_bank.tensor("steps").tolist())) >= 3  # the cohort's plan has per-client steps
-    for execution, chunk in [("vmap", 7), ("vmap", 3), ("loop", 2)]:
+    for execution, chunk in EXECUTIONS:
         got = selffl_stage(execution, chunk, algorithm=algorithm, params=params)
         fit(got)
         assert_close(everything(got), everything(reference))

@@ -39,15 +39,15 @@ def test_steps_budget_and_lr_schedule_match_sequential():
 
 def test_conv_model_matches_sequential():
     assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
-                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("loop", 4),
+                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("vmap_autograd", 3), ("loop", 4),
                                                                         ("loop_channels_last", 4)))
 
 
 def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
     """The rule of thumb for work no stage has timed; a stage times these candidates on its first round."""
     cnn, cpu = TinyCNN(), torch.device("cpu")
-    assert executor_candidates(cnn) == ["vmap", "loop", "loop_channels_last"]
-    assert executor_candidates(TinyMLP()) == ["vmap", "loop"]
+    assert executor_candidates(cnn) == ["vmap", "vmap_autograd", "loop", "loop_channels_last"]
+    assert executor_candidates(TinyMLP()) == ["vmap", "vmap_autograd", "loop"]
     assert choose_execution("auto", cnn, cpu) == "loop"
     assert choose_execution("auto", cnn.head, cpu) == "vmap"  # head-only phases run on trunk features
     assert choose_execution("auto", TinyMLP(), cpu) == "vmap"
@@ -85,3 +85,31 @@ def test_client_state_counts_each_clients_visits():
     for r in range(5):
         sampled[stage.sample_cohort(r)] += 1
     assert torch.equal(visits, sampled)
+
+
+def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_depends():
+    from torch import nn
+
+    from fedpilot.engine.cohort import plain_forward
+    from fedpilot.engine.local import VmapAutogradExecutor, VmapExecutor
+    from fedpilot.engine.task import make_task
+
+    class Unused(TinyMLP):
+        def __init__(self):
+            super().__init__()
+            self.spare = nn.Linear(2, 2)  # trained, but no output depends on it
+
+    torch.manual_seed(0)
+    model, task = Unused(), make_task("classification")
+    params = {n: p.detach() + 0.1 * torch.randn(3, *p.shape) for n, p in model.named_parameters()}
+    x, y, w = torch.randn(3, 5, 16), torch.randint(0, 4, (3, 5)), torch.ones(3, 5)
+    vmapped, autograd = (e(plain_forward, task).step_grad(model)(params, {}, {}, x, y, w)
+                         for e in (VmapExecutor, VmapAutogradExecutor))
+    for name in params:
+        torch.testing.assert_close(autograd[0][name], vmapped[0][name])
+    assert not autograd[0]["spare.weight"].any()
+    for k in range(3):  # row k is client k's gradient alone
+        one = VmapExecutor(plain_forward, task).step_grad(model)({n: p[k : k + 1] for n, p in params.items()}, {}, {},
+                                                           x[k : k + 1], y[k : k + 1], w[k : k + 1])
+        torch.testing.assert_close(autograd[0]["body.1.weight"][k], one[0]["body.1.weight"][0])
+    torch.testing.assert_close(autograd[1][0], vmapped[1][0])  # the clients' losses

@@ -19,6 +19,7 @@ from fedpilot.engine.data import Augment, ClientData
 from fedpilot.engine.task import NextToken, Regression, make_task
 from fedpilot.models import build_model
 from fedpilot.pipeline.checks import client_data
+from fedpilot.testing import EXECUTIONS
 
 SPECIALS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 
@@ -176,7 +177,7 @@ def test_executors_match_sequential_on_the_new_tasks(case):
                  NextToken(**SPECIALS))
     model_fn, personal, data, task = setup
     reference, stage = run(model_fn, personal, data, task, "sequential", 1)
-    executions = [("loop", 3)] if case == "char_lstm" else [("vmap", 7), ("vmap", 3), ("loop", 2)]
+    executions = [("loop", 3)] if case == "char_lstm" else EXECUTIONS
     for execution, chunk in executions:
         assert_same(run(model_fn, personal, data, task, execution, chunk)[0], reference)
     assert set(stage.client_metrics["test"]) == set(task.metrics)

@@ -30,7 +30,7 @@ from fedpilot.models.split import ParamSplit
 
 HEAD = ["head.weight", "head.bias"]  # TinyMLP's output layer
 INPUT = ["body.1.weight", "body.1.bias"]  # TinyMLP's input layer
-EXECUTIONS = (("vmap", 7), ("vmap", 3), ("loop", 2))  # (executor, clients per chunk) compared with sequential
+EXECUTIONS = (("vmap", 7), ("vmap_autograd", 3), ("loop", 2))  # (executor, clients per chunk) compared with sequential
 
 
 class ToyData(ClientData):
@@ -83,10 +83,10 @@ def stage_for(model: nn.Module, personal: list[str], *args, **kwargs) -> Federat
 
 
 def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
-    """Run a stage with a quiet Lightning Trainer for its number of rounds."""
-    trainer = L.Trainer(max_steps=stage.n_rounds, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                        **trainer_kwargs)
+    """Run a stage with a quiet Lightning Trainer (unless `trainer_kwargs` say otherwise) for its number of rounds."""
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+             "enable_model_summary": False, "accelerator": "cpu"}
+    trainer = L.Trainer(max_steps=stage.n_rounds, **{**quiet, **trainer_kwargs})
     trainer.fit(stage)
     return trainer
 

@@ -21,6 +21,7 @@ from fedpilot.engine.local import (
     Params,
     StepRule,
     TrainStats,
+    VmapAutogradExecutor,
     VmapExecutor,
     choose_execution,
     precision_context,
@@ -31,7 +32,7 @@ from fedpilot.models.split import ParamSplit
 
 Part = Literal["personal", "shared", "all"]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
-EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "loop": LoopExecutor,
+EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
                               "loop_channels_last": ChannelsLastLoopExecutor, "sequential": SequentialExecutor}
 
 

@@ -81,7 +81,7 @@ class StageConfig(Strict):
     eval_every: int = Field(10, ge=1)
     eval_clients: int | None = Field(None, ge=1)  # evaluated during training (a seeded sample); all at the end
     max_parallel_clients: int = Field(256, ge=1)
-    execution: Literal["auto", "vmap", "loop", "loop_channels_last"] = "auto"
+    execution: Literal["auto", "vmap", "vmap_autograd", "loop", "loop_channels_last"] = "auto"
     host_memory_budget: int | None = Field(None, ge=0)  # bytes of per-client rows kept in memory; more: a file
     device_data_budget: int | None = Field(None, ge=0)  # bytes of data on the device; more: gathered per round
     precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

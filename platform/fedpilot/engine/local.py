@@ -1,7 +1,8 @@
 """Local SGD for many clients at once: the executors and the update rule they share.
 
 Parameters are dicts of tensors with a leading client dimension [K, ...]. An executor runs the steps of a
-batch plan: `VmapExecutor` with torch.func.vmap over clients, `LoopExecutor` client by client with eager
+batch plan: `VmapExecutor` with torch.func.vmap over clients (`VmapAutogradExecutor`: vmap for the forward pass,
+autograd for the backward), `LoopExecutor` client by client with eager
 autograd (faster for convolutions on CPU, where vmap becomes a slow grouped convolution), one client per
 CPU core at a time.
 """
@@ -129,6 +130,24 @@ def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[...
     return grad(loss, has_aux=True)
 
 
+def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
+    """The gradients of every client at once [K, ...] with each client's (loss, metric), by autograd through the
+    vmapped losses: a client's loss depends only on its own rows, so the gradient of the clients' summed loss holds
+    each client's gradient in its row. Parameters nothing depends on get zeros, as under vmap(grad)."""
+    losses = vmap(lambda trainable, frozen, fixed, x, y, w: task.loss(forward(module, {**trainable, **frozen, **fixed},
+                                                                                 x), y, w),
+                  in_dims=(0, 0, None, 0, 0, 0), randomness="different")
+
+    def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+        leaves = {n: p.detach().requires_grad_() for n, p in trainable.items()}
+        with torch.enable_grad():
+            value, metric = losses(leaves, frozen, fixed, x, y, w)
+            grads = torch.autograd.grad(value.sum(), list(leaves.values()), materialize_grads=True)
+        return dict(zip(leaves, grads, strict=True)), (value.detach(), metric.detach())
+
+    return step
+
+
 def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
                       layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
     """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
@@ -206,11 +225,15 @@ class VmapExecutor(Executor):
 
     name = "vmap"
 
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+        """step(trainable, frozen, fixed, x, y, w) -> (every client's gradient [K, ...], (loss, metric) [K])."""
+        return vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
+                    randomness="different")
+
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
-        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
-                         randomness="different")
+        step_grad = self.step_grad(module)
         trainable = {n: p.clone() for n, p in trainable.items()}
         for s in range(batches.index.shape[1]):
             active = batches.active[:, s]
@@ -225,8 +248,7 @@ class VmapExecutor(Executor):
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
                   stats: TrainStats) -> Params:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
-        step_grad = vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
-                         randomness="different")
+        step_grad = self.step_grad(module)
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
         for s in range(batches.index.shape[1]):
@@ -240,6 +262,16 @@ class VmapExecutor(Executor):
             count += active
             stats.add(loss, acc, active)
         return _mean_of_steps(total, count)
+
+
+class VmapAutogradExecutor(VmapExecutor):
+    """vmap for the forward pass only, plain autograd backward through it (`clients_grad`): less dispatch than
+    vmap(grad) for small models, slower for convolutions on CPU (bench/README.md). A candidate the stage times."""
+
+    name = "vmap_autograd"
+
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+        return clients_grad(module, self.forward, self.task)
 
 
 def _own_version(t: torch.Tensor) -> torch.Tensor:
@@ -317,12 +349,13 @@ class ChannelsLastLoopExecutor(LoopExecutor):
 
 
 def executor_candidates(module: nn.Module) -> list[str]:
-    """The executors a stage times on its first round: the loop, vmap unless the model has recurrent layers
+    """The executors a stage times on its first round: the loop, the two vmaps unless the model has recurrent layers
     (torch.func cannot vmap the fused RNN kernels), the channels-last loop when it has 2-d convolutions."""
     kinds = {type(m) for m in module.modules()}
     if any(issubclass(k, nn.RNNBase) for k in kinds):
         return ["loop"]
-    return ["vmap", "loop", *(["loop_channels_last"] if any(issubclass(k, nn.Conv2d) for k in kinds) else [])]
+    convolutions = ["loop_channels_last"] if any(issubclass(k, nn.Conv2d) for k in kinds) else []
+    return ["vmap", "vmap_autograd", "loop", *convolutions]
 
 
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:

@@ -95,3 +95,15 @@ def test_fedavg_with_server_lr_one_is_the_weighted_mean_of_client_models():
     for name, value in stage.shared_params().items():
         expected = (local[name] * w.view(-1, *[1] * (value.dim()))).sum(0) / w.sum()
         torch.testing.assert_close(value, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_progress_bar_shows_the_latest_loss_and_val_accuracy(capsys):
+    from fedpilot.pipeline.progress import RoundProgress
+
+    stage, bar = make_stage(rounds=4), RoundProgress("fedalt")
+    trainer = fit(stage, callbacks=[bar], enable_progress_bar=True)
+    shown = bar.get_metrics(trainer, stage)
+    last = stage.history[-2]  # the val evaluation of round 4 (the test one follows it)
+    assert shown["train_loss"] == f"{stage.round_log['train_loss']:.3g}"
+    assert shown["val_acc_mean"] == f"{last['val_acc_mean']:.3g}" and "v_num" not in shown
+    assert f"val_acc_mean={shown['val_acc_mean']}" in capsys.readouterr().out  # Lightning's bar writes to stdout

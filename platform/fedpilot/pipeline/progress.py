@@ -33,9 +33,10 @@ class RoundProgress(TQDMProgressBar):
         self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """The stage's latest loss and val accuracy (`FederatedStage.shown`), without Lightning's version number."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
-        return metrics
+        return {**metrics, **{k: f"{v:.3g}" for k, v in getattr(pl_module, "shown", {}).items()}}
 
 
 def quiet_lightning() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -10,7 +11,8 @@ from torch.func import functional_call, vmap
 
 from fedpilot.engine.data import ClientData, client_major_index
 from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
-from fedpilot.engine.pooling import MeasuredPooling, with_measured_pooling
+from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
 from fedpilot.engine.timing import best_time
 from fedpilot.models.split import ParamSplit
@@ -31,18 +33,23 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
     batch.
     """
     device = next(model.parameters()).device
+    keep_freed_memory(device)
     ids = torch.arange(data.n_clients) if clients is None else clients.cpu()
     sizes = data.sizes[part].cpu()[ids]
-    index = client_major_index(data.offsets[part].cpu()[ids], sizes).to(data.x.device)
-    sizes = sizes.to(device)
+    index = client_major_index(data.offsets[part].cpu()[ids], sizes)
+    first = int(index[0]) if len(index) else 0
+    in_order = bool((index == torch.arange(first, first + len(index))).all())  # one stored range: slices, no copy
+    index = index.to(data.x.device)
 
     def rows_at(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Model inputs and labels of the samples index[start:stop], on the model's device."""
-        rows = index[start:stop]
+        rows = slice(first + start, first + min(stop, len(index))) if in_order else index[start:stop]
         return data.inputs(data.x[rows].to(device, non_blocking=True)), data.y[rows].to(device, non_blocking=True)
 
+    sizes = sizes.to(device)
     personal_of = (lambda of: lambda rows: of(ids[rows.cpu()].to(device)))(personal_of)  # rows -> their params
-    with precision_context(precision, device), MeasuredPooling():  # threads enter it in `_scores`'s `apply`
+    pooling = MeasuredPooling() if has_2d_maps(model) else nullcontext()  # threads enter it in `_scores`'s `apply`
+    with precision_context(precision, device), pooling:
         if not personal_of(torch.arange(0)):
             return _flat(model, lambda inputs: forward(model, shared, inputs), task, rows_at, len(index), sizes,
                          max_samples)
@@ -165,9 +172,10 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
     idx = torch.where(mask, starts[:, None] + pos[None], torch.zeros_like(pos[None]))
     xb, yb = source[idx], labels[idx]
 
-    @with_measured_pooling
     def apply(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
         return forward(net, {**fixed, **params}, inputs)  # a personal copy wins over the global
+
+    apply = with_measured_pooling(apply) if has_2d_maps(module) else apply
 
     if not personal:  # one model for every client: one batch
         outputs = apply({}, xb.flatten(0, 1)).unflatten(0, xb.shape[:2])

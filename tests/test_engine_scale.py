@@ -10,6 +10,8 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.evaluate import evaluate_clients
+from fedpilot.engine.local import VMAPPED
+from fedpilot.testing import INPUT
 
 HEAD = ["head.weight", "head.bias"]
 
@@ -162,3 +164,22 @@ def test_data_past_the_device_budget_stays_on_the_host_and_rounds_gather_their_c
         lo, n = int(gathered.data.offsets["train"][c]), int(gathered.data.sizes["train"][c])
         mine = int(part.offsets["train"][c])
         assert torch.equal(part.x[mine : mine + n], gathered.data.x[lo : lo + n])
+
+
+def test_each_executor_evaluates_the_personal_models_alike_and_both_vmaps_vectorize(monkeypatch):
+    import fedpilot.engine.evaluate as evaluate
+
+    config = StageConfig(rounds=2, clients_per_round=4, local=LocalConfig(steps=2, batch_size=4))
+    torch.manual_seed(0)
+    stage = stage_for(TinyMLP(), INPUT, ToyData(), build_algorithm("fedalt"), config, seed=2)
+    fit(stage)
+
+    def scores(execution: str) -> dict[str, torch.Tensor]:
+        return evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, stage.shared_params(),
+                                stage.personal_of, stage.data, "val", execution)
+
+    looped = scores("loop")
+    monkeypatch.setattr(evaluate, "for_each_client", None)  # a vmapped evaluation never loops over clients
+    for execution in VMAPPED:
+        for metric, values in scores(execution).items():
+            torch.testing.assert_close(values, looped[metric])

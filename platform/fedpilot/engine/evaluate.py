@@ -10,7 +10,14 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpilot.engine.data import ClientData, client_major_index
-from fedpilot.engine.local import Forward, Params, choose_execution, for_each_client, precision_context
+from fedpilot.engine.local import (
+    VMAPPED,
+    Forward,
+    Params,
+    choose_execution,
+    for_each_client,
+    precision_context,
+)
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
@@ -179,7 +186,7 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
 
     if not personal:  # one model for every client: one batch
         outputs = apply({}, xb.flatten(0, 1)).unflatten(0, xb.shape[:2])
-    elif choose_execution(execution, module, source.device) == "vmap":
+    elif choose_execution(execution, module, source.device) in VMAPPED:
         outputs = vmap(apply)(personal, xb)
     else:
         per_client: list[torch.Tensor | None] = [None] * len(sizes)

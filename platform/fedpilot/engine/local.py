@@ -348,6 +348,9 @@ class ChannelsLastLoopExecutor(LoopExecutor):
     layout = staticmethod(_channels_last)
 
 
+VMAPPED = ("vmap", "vmap_autograd")  # executors whose forward passes run vmapped over clients (as evaluation's do)
+
+
 def executor_candidates(module: nn.Module) -> list[str]:
     """The executors a stage times on its first round: the loop, the two vmaps unless the model has recurrent layers
     (torch.func cannot vmap the fused RNN kernels), the channels-last loop when it has 2-d convolutions."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from fedpilot.engine import evaluate, pooling
+from fedpilot.engine import evaluate, pooling, timing
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps
 from fedpilot.engine.timing import fastest
 
@@ -76,10 +76,17 @@ def test_each_pooling_signature_is_measured_once(monkeypatch):
     assert all(pooling._channels_last_faster.values())
 
 
-def test_candidates_take_turns_after_a_warm_up_each():
-    calls = []
-    choice, seconds = fastest(["a", "b"], calls.append, torch.device("cpu"), repeats=3)
-    assert calls == ["a", "b"] + ["a", "b"] * 3 and set(seconds) == {"a", "b"} and choice in seconds
+def test_candidates_take_turns_after_a_warm_up_each_and_a_clear_loser_drops_out(monkeypatch):
+    calls, cost = [], {"a": [1.0, 1.2, 0.9], "b": [1.1, 0.95, 1.3], "c": [1.6, 1.0, 1.0]}
+
+    def best_time(run, device, repeats=1, warm=True):  # each candidate's seconds, turn by turn
+        run()
+        return cost[calls[-1]].pop(0)
+
+    monkeypatch.setattr(timing, "best_time", best_time)
+    choice, seconds = fastest(["a", "b", "c"], calls.append, torch.device("cpu"), repeats=3)
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["a", "b"] * 2  # c: 1.6 > 1.5 x 1.0 after the first turn
+    assert choice == "a" and seconds == {"a": 0.9, "b": 0.95, "c": 1.6}
 
 
 def test_the_mode_is_entered_only_for_models_with_feature_maps():

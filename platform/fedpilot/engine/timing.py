@@ -26,15 +26,19 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3,
 
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
-            repeats: int = 3) -> tuple[str, dict[str, float]]:
-    """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of `repeats` runs
-    after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the machine's
-    load during the timing falls on all of them alike."""
+            repeats: int = 3, out_of_the_running: float = 1.5) -> tuple[str, dict[str, float]]:
+    """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
+    runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
+    machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
+    times the best after a turn is not run again (its best so far is its seconds): it cannot win."""
     for name in candidates:
         run(name)
     times: dict[str, list[float]] = {name: [] for name in candidates}
+    running = list(candidates)
     for _ in range(repeats):
-        for name in candidates:
+        for name in running:
             times[name].append(best_time(lambda name=name: run(name), device, repeats=1, warm=False))
+        best = min(min(t) for t in times.values())
+        running = [name for name in running if min(times[name]) <= out_of_the_running * best]
     seconds = {name: min(t) for name, t in times.items()}
     return min(seconds, key=seconds.__getitem__), seconds

@@ -194,8 +194,14 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         stage = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_ids[1]}' and "
                                                  "tags.`fedpilot.stage` = 'personalize'")[0]
         stage_page = f"{url}/#/experiments/{experiment}/runs/{stage.info.run_id}"
-        shown(driver, f"{stage_page}/model-metrics{view}", lambda text: "val_acc" in text)
+        def charts(text: str) -> int | None:  # the count of the stage page's one chart section (charts off the
+            found = re.search(r"^Model metrics\n\((\d+)\)$", text, re.MULTILINE)  # screen are not drawn)
+            return int(found[1]) if found else None
+
+        stage_metrics = [k for k in stage.data.metrics if not k.startswith("system/")]
+        stage_text = shown(driver, f"{stage_page}/model-metrics{view}", lambda text: charts(text) is not None)
         driver.save_screenshot(str(shots / "stage-model-metrics.png"))
+        assert charts(stage_text) == len(stage_metrics) and "val_acc_mean" in stage_metrics, stage_text[:2000]
         table_page = shown(driver, f"{url}/#/experiments/{experiment}/runs/{stage.info.run_id}/artifacts/"
                                    f"clients.json{view}", lambda text: "View as table" in text and "test_acc" in text)
         driver.save_screenshot(str(shots / "stage-clients-table.png"))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 
 import optuna
 import pytest
@@ -141,11 +143,12 @@ def test_prune_callback_reports_rounds_across_stages():
     assert reports == [(0.5, 110), (0.5, 110)]
 
 
-def _worker(db: str, tmp_path, grace: int = 5) -> subprocess.Popen:
+def _worker(db: str, tmp_path, grace: float = 5, heartbeat: float = 2) -> subprocess.Popen:
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
            "FEDPILOT_CACHE": str(tmp_path / "cache")}
     return subprocess.Popen([sys.executable, "-m", "fedpilot.cli", "worker", "--db", db, "--exit-when-idle",
-                             "--poll-seconds", "0.5", "--heartbeat-seconds", "2", "--grace-seconds", str(grace)],
+                             "--poll-seconds", "0.5", "--heartbeat-seconds", str(heartbeat),
+                             "--grace-seconds", str(grace)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -174,24 +177,29 @@ def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, 
 def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path):
     db = f"sqlite:///{tmp_path}/platform.db"
     slow = {**TINY, "evaluation": {"every": 1000},
-            "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 800}]}
+            "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 300}]}
     code, output = cli("submit", str(write_pipeline(tmp_path, slow, "slow.yaml")), "--search", "--trials", "1",
                        "--db", db)
     assert code == 0, output
-    victim = _worker(db, tmp_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    victim = _worker(db, tmp_path, grace=2, heartbeat=0.5)
+
+    def rounds_logged() -> int:
+        """Rounds the trial has logged so far (read-only SQL: an MLflow client here would migrate the store while
+        the worker's child creates it)."""
         try:
-            if optuna.load_study(study_name="small", storage=db).get_trials(states=(optuna.trial.TrialState.RUNNING,)):
-                break
-        except KeyError:
-            pass
-        time.sleep(0.3)
-    time.sleep(2.5)
+            with closing(sqlite3.connect(f"file:{tmp_path / 'mlflow.db'}?mode=ro", uri=True)) as store:
+                return store.execute("SELECT COUNT(*) FROM metrics WHERE key = 'train_loss'").fetchone()[0]
+        except sqlite3.OperationalError:  # no store or no table yet
+            return 0
+
+    deadline = time.monotonic() + 120
+    while rounds_logged() < 2 + 5 and time.monotonic() < deadline:  # the pretrain rounds, then 5 of 300
+        time.sleep(0.2)
     victim.kill()  # SIGKILL: the worker and (PDEATHSIG) its `fedpilot search` child die mid-trial
     victim.wait()
-    time.sleep(6)  # past the worker grace period (5 s): the job counts as abandoned
-    survivor = _worker(db, tmp_path)
+    assert rounds_logged() < 2 + 300, "the trial finished before its worker was killed"
+    time.sleep(2.5)  # past the grace period (2 s) since the last heartbeat: the job counts as abandoned
+    survivor = _worker(db, tmp_path, grace=2, heartbeat=0.5)
     log = survivor.communicate(timeout=600)[0]
     assert survivor.returncode == 0, log
     [job] = _jobs(db)

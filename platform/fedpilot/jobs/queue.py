@@ -41,6 +41,7 @@ from fedpilot.settings import DEFAULT_TRACKING_URI
 
 MAX_ATTEMPTS = 3
 TAIL_CHARS = 4000
+RUN_ID_POLL_SECONDS = 0.25  # until a job's MLflow run is recorded; then the heartbeat's period
 PR_SET_PDEATHSIG = 1
 
 
@@ -329,17 +330,23 @@ def _last_line(text: str) -> str | None:
 
 def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartbeat_seconds: float,
            result_file: Path, uri: str, kill_on_cancel: bool = True) -> str | None:
-    """Heartbeat until the child exits, recording its MLflow run as soon as it exists (a retry resumes it); kill
-    it on a cancel request (-> CANCELLED) or if the job was taken from this worker (-> the status it has now)."""
+    """Heartbeat until the child exits, recording its MLflow run as soon as it exists (looked for every
+    `RUN_ID_POLL_SECONDS` until then: a retry resumes it, `fedpilot jobs` links it); kill it on a cancel request
+    (-> CANCELLED) or if the job was taken from this worker (-> the status it has now)."""
     recorded = job.run_id
+    next_beat = time.monotonic() + heartbeat_seconds
     while True:
         try:
-            proc.wait(timeout=heartbeat_seconds)
+            proc.wait(timeout=max(0.0, min(next_beat - time.monotonic(),
+                                           heartbeat_seconds if recorded else RUN_ID_POLL_SECONDS)))
             return None
         except subprocess.TimeoutExpired:
             pass
         run_id = read_result(result_file).get("run_id")
         news = {"run_id": run_id, "tracking_uri": uri} if run_id and run_id != recorded else {}
+        if not news and time.monotonic() < next_beat:
+            continue
+        next_beat = time.monotonic() + heartbeat_seconds
         with session_factory(engine).begin() as session:
             beat = session.execute(update(Job).where(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
                                    .values(heartbeat_at=utcnow(), **news))

@@ -28,9 +28,12 @@ TINY = {**SMALL, "name": "tiny", "tracking": {"system_metrics": False, "plots": 
         "stages": [{**SMALL["stages"][0], "rounds": 3}]}
 SEARCH = {**TINY, "search": {"space": {"stages.0.local.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
                              "objective": {"metric": "val_acc_mean"}, "pruner": {"kind": "none"}}}
-# Long enough a stage to requeue or cancel it while it trains (a round takes some tens of milliseconds).
+# Long enough a stage to requeue or cancel it while it trains: a round takes 5 to 15 ms, and the test sees the
+# stage's third round some tenths of a second after it was logged.
+LONG_ROUNDS = 400
 LONG = {**SMALL, "tracking": {"system_metrics": False, "plots": False}, "evaluation": {"every": 10},
-        "stages": [{**SMALL["stages"][0], "rounds": 4}, {**SMALL["stages"][1], "rounds": 150}, SMALL["stages"][2]]}
+        "stages": [{**SMALL["stages"][0], "rounds": 4}, {**SMALL["stages"][1], "rounds": LONG_ROUNDS},
+                   SMALL["stages"][2]]}
 
 
 def jobs(db: str) -> dict[int, dict]:
@@ -125,9 +128,10 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
         subprocess.run(["scancel", "--signal=USR2", slurm_id], check=True)
     else:
         subprocess.run(["scontrol", "requeue", slurm_id], check=True)
-    # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start now.
+    # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start in 2 s. Not in the
+    # same second it was requeued: slurmd refuses that launch ("Job credential revoked", times in whole seconds).
     wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
-    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
+    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now+2"], check=True)
     row = ended(db, [job_id])[job_id]
     assert row["status"] == "succeeded", log_of(db, job_id)
     code, output = cli("jobs", "show", str(job_id), "--db", db, "--json")
@@ -139,7 +143,7 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
     assert [r.info.status for r in runs] == ["FINISHED"] * 4
     assert_each_step_once(client, runs)
     steps = [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")]
-    assert steps == list(range(1, 151))
+    assert steps == list(range(1, LONG_ROUNDS + 1))
     monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "fresh-cache"))
     code, output = cli("run", str(write_pipeline(workdir, LONG, "long.yaml")), "--no-progress")
     assert code == 0, output

@@ -100,7 +100,9 @@ CASES = [
     case("yaml-duplicate-key", "found duplicate key name", "name: a\nname: b\n"),
     case("yaml-not-utf8", "not valid YAML", b"name: \x80\x81\n"),
     case("yaml-nested-too-deeply", f"nested more than {MAX_YAML_DEPTH} levels",
-         "a: " + "[" * 3000 + "]" * 3000 + "\n"),
+         "a: " + "[" * 3000 + "]" * 3000 + "\n"),  # past libyaml's own limit too (1000 in PyYAML 6.0.4)
+    case("yaml-nested-past-the-limit", f"nested more than {MAX_YAML_DEPTH} levels",
+         "a: " + "[" * (MAX_YAML_DEPTH + 1) + "]" * (MAX_YAML_DEPTH + 1) + "\n"),
     case("yaml-too-many-nodes", f"more than {MAX_YAML_NODES:,} nodes",
          "name: x\nbig: [" + "1, " * MAX_YAML_NODES + "1]\n"),
     case("empty-file", "the file is empty", ""),

@@ -24,7 +24,7 @@ lint: install
 	$(BIN)/ruff check platform tests bench
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 bench: install  ## fedpilot vs peers, one table (peers' venvs set up on first use); BENCH_ARGS="--no-peers", "--device cuda"
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)

@@ -110,14 +110,13 @@ def test_concurrent_claims_take_each_job_once(db_url):
 
 
 def test_a_jobs_mlflow_run_is_recorded_while_it_trains_not_at_the_next_heartbeat(sqlite_url, child_env, tmp_path):
-    db_url = sqlite_url
-    job_id = submitted(str(tiny(tmp_path, rounds=200)), "--db", db_url)
-    worker = start_worker(db_url, child_env, tmp_path, "slow-beat", "--heartbeat-seconds", "120", "--grace-seconds",
-                          "300", "--exit-when-idle")
-    wait_for(lambda: job(db_url, job_id)["run_id"], what="the job's MLflow run to be recorded")
-    assert job(db_url, job_id)["status"] == "running"  # long before the first heartbeat (120 s)
+    job_id = submitted(str(tiny(tmp_path, rounds=200)), "--db", sqlite_url)
+    worker = start_worker(sqlite_url, child_env, tmp_path, "slow-beat", "--heartbeat-seconds", "120",
+                          "--grace-seconds", "300", "--exit-when-idle")
+    wait_for(lambda: job(sqlite_url, job_id)["run_id"], what="the job's MLflow run to be recorded")
+    assert job(sqlite_url, job_id)["status"] == "running"  # long before the first heartbeat (120 s)
     log = worker.communicate(timeout=240)[0]
-    assert job(db_url, job_id)["status"] == "succeeded", log
+    assert job(sqlite_url, job_id)["status"] == "succeeded", log
 
 
 def test_killed_workers_job_is_resumed_by_another_worker_in_the_same_runs(db_url, child_env, tmp_path):

@@ -110,7 +110,7 @@ def test_concurrent_claims_take_each_job_once(db_url):
 
 
 def test_a_jobs_mlflow_run_is_recorded_while_it_trains_not_at_the_next_heartbeat(sqlite_url, child_env, tmp_path):
-    job_id = submitted(str(tiny(tmp_path, rounds=200)), "--db", sqlite_url)
+    job_id = submitted(str(tiny(tmp_path, rounds=400)), "--db", sqlite_url)
     worker = start_worker(sqlite_url, child_env, tmp_path, "slow-beat", "--heartbeat-seconds", "120",
                           "--grace-seconds", "300", "--exit-when-idle")
     wait_for(lambda: job(sqlite_url, job_id)["run_id"], what="the job's MLflow run to be recorded")

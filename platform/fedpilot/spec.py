@@ -153,7 +153,6 @@ def _check_events(text: bytes, path: str) -> None:
     """The file's nodes as written (before aliases) and its nesting are within the limits: a single pass over
     the parser's events that stops at the first one past a limit, before anything is built."""
     nodes = depth = 0
-    too_deep = SpecError("pipeline", path, f"not valid YAML: nested more than {MAX_YAML_DEPTH} levels deep")
     try:
         for event in yaml.parse(text, Loader=YAML_LOADER):
             nodes += isinstance(event, yaml.NodeEvent)
@@ -161,12 +160,16 @@ def _check_events(text: bytes, path: str) -> None:
             if nodes > MAX_YAML_NODES:
                 raise _too_many_nodes(path)
             if depth > MAX_YAML_DEPTH:
-                raise too_deep
+                raise _too_deep(path)
     except yaml.YAMLError as err:
         # libyaml (PyYAML 6.0.4's) has its own limit, hit while scanning ahead through a run of `[[[...`
         if "maximum nesting depth" in str(err):
-            raise too_deep from None
+            raise _too_deep(path) from None
         raise
+
+
+def _too_deep(path: str) -> SpecError:
+    return SpecError("pipeline", path, f"not valid YAML: nested more than {MAX_YAML_DEPTH} levels deep")
 
 
 def _too_many_nodes(path: str) -> SpecError:

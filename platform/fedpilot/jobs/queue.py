@@ -336,9 +336,9 @@ def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartb
     recorded = job.run_id
     next_beat = time.monotonic() + heartbeat_seconds
     while True:
+        period = heartbeat_seconds if recorded else RUN_ID_POLL_SECONDS
         try:
-            proc.wait(timeout=max(0.0, min(next_beat - time.monotonic(),
-                                           heartbeat_seconds if recorded else RUN_ID_POLL_SECONDS)))
+            proc.wait(timeout=min(period, next_beat - time.monotonic()))
             return None
         except subprocess.TimeoutExpired:
             pass

@@ -70,6 +70,10 @@ BAD = [
     ({**SMALL, "personalization": "head"}, "personalization='head'", "unknown preset"),
     ({**SMALL, "model": {"name": "mlp", "hiden": [3]}}, "model.hiden=[3]", "did you mean 'hidden'"),
     ({**SMALL, "stages": [SMALL["stages"][0], SMALL["stages"][0]]}, "stages.1.name='pretrain'", "unique"),
+    ({**SMALL, "stages": [{**SMALL["stages"][0], "host_memory_budget": "lots"}]}, "stages.0.host_memory_budget='lots'",
+     "expected a size in bytes.*'2GiB'"),
+    ({**SMALL, "stages": [{**SMALL["stages"][0], "device_data_budget": -1}]}, "stages.0.device_data_budget=-1",
+     "expected a size in bytes: an integer >= 0"),
 ]
 
 
@@ -106,6 +110,16 @@ def test_overrides_set_keys_the_file_lacks_and_typos_are_still_caught(tmp_path):
         load_pipeline(path, ["stages.0.roundz=3"])
     with pytest.raises(SpecError, match=r"stages.7.rounds='3': cannot be set: list index out of range"):
         load_pipeline(path, ["stages.7.rounds=3"])
+
+
+def test_memory_budgets_are_bytes_or_sizes_with_units(tmp_path):
+    path = write_pipeline(tmp_path)
+    spec = load_pipeline(path, ["stages.0.host_memory_budget=2GiB", "stages.0.device_data_budget=1.5 GB",
+                                "stages.1.host_memory_budget=4096", "stages.2.device_data_budget=0"])
+    configs = [stage.engine_config(spec.evaluation) for stage in spec.stages]
+    assert [(c.host_memory_budget, c.device_data_budget) for c in configs] == [
+        (2 * 2**30, 1_500_000_000), (4096, None), (None, 0)]
+    assert spec.resolved()["stages"][0]["host_memory_budget"] == 2 * 2**30  # a plain int in the recorded spec
 
 
 def test_stage_names_default_to_the_algorithm():

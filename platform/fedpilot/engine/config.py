@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def _byte_count(value: object) -> int:
+    """Bytes from an integer or a number with a unit: 1073741824, "1GiB", "1.5 GB", "512MB" (pydantic's ByteSize)."""
+    if isinstance(value, float) and value.is_integer():  # YAML's 1.0e+9
+        value = int(value)
+    try:
+        size = None if isinstance(value, bool) else int(_BYTE_SIZE.validate_python(value))
+    except ValidationError:
+        size = None
+    if size is None or size < 0:
+        raise ValueError("expected a size in bytes: an integer >= 0, or a number with a unit such as '2GiB' or '512MB'")
+    return size
+
+
+Bytes = Annotated[int, BeforeValidator(_byte_count)]
 
 
 class Strict(BaseModel):
@@ -82,6 +109,6 @@ class StageConfig(Strict):
     eval_clients: int | None = Field(None, ge=1)  # evaluated during training (a seeded sample); all at the end
     max_parallel_clients: int = Field(256, ge=1)
     execution: Literal["auto", "vmap", "vmap_autograd", "loop", "loop_channels_last"] = "auto"
-    host_memory_budget: int | None = Field(None, ge=0)  # bytes of per-client rows kept in memory; more: a file
-    device_data_budget: int | None = Field(None, ge=0)  # bytes of data on the device; more: gathered per round
+    host_memory_budget: Bytes | None = None  # per-client rows kept in memory; more: a file
+    device_data_budget: Bytes | None = None  # client data on the device; more: gathered per round
     precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

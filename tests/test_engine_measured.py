@@ -89,6 +89,40 @@ def test_candidates_take_turns_after_a_warm_up_each_and_a_clear_loser_drops_out(
     assert choice == "a" and seconds == {"a": 0.9, "b": 0.95, "c": 1.6}
 
 
+OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                 RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                              "memory: you tried to allocate 21474836480 bytes.")]
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu"])
+def test_a_candidate_that_runs_out_of_memory_is_left_out_of_the_timing(error):
+    calls = []
+
+    def run(name: str) -> None:
+        calls.append(name)
+        if name == "vmap":
+            raise error
+
+    with pytest.warns(UserWarning, match="executor candidate 'vmap' ran out of memory on cpu"):
+        choice, seconds = fastest(["vmap", "loop", "loop_channels_last"], run, torch.device("cpu"), repeats=2)
+    assert calls.count("vmap") == 1 and choice in ("loop", "loop_channels_last")
+    assert set(seconds) == {"loop", "loop_channels_last"}
+
+
+def test_when_every_candidate_runs_out_of_memory_the_error_is_raised_and_other_errors_are_not_caught():
+    def oom(name: str) -> None:
+        raise torch.OutOfMemoryError(f"CUDA out of memory ({name})")
+
+    with pytest.warns(UserWarning), pytest.raises(torch.OutOfMemoryError, match=r"\(vmap\)"):
+        fastest(["vmap", "loop"], oom, torch.device("cpu"))
+
+    def broken(name: str) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        fastest(["vmap", "loop"], broken, torch.device("cpu"))
+
+
 def test_the_mode_is_entered_only_for_models_with_feature_maps():
     assert has_2d_maps(small_cnn()) and not has_2d_maps(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3)))
 

@@ -3,6 +3,7 @@ budget), checkpoints write what changed; evaluation of a seeded sample of client
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
@@ -139,6 +140,23 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
         torch.testing.assert_close(value, pinned.shared_params()[name])
     for name in HEAD:
         torch.testing.assert_close(auto.bank.tensor(name), pinned.bank.tensor(name))
+
+
+def test_a_candidate_out_of_memory_on_the_first_round_leaves_the_stage_to_the_others(monkeypatch):
+    from fedpilot.engine.local import VmapExecutor
+
+    def out_of_memory(*args, **kwargs):  # what a GPU does when every client's gradients at once do not fit
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(VmapExecutor, "train", out_of_memory)  # vmap and vmap_autograd
+    torch.manual_seed(0)
+    config = StageConfig(rounds=3, clients_per_round=4, local=LocalConfig(steps=2, batch_size=4))
+    stage = stage_for(TinyMLP(), [], ToyData(), build_algorithm("fedavg"), config, seed=2)
+    start = {n: p.clone() for n, p in stage.shared_params().items()}
+    with pytest.warns(UserWarning, match="executor candidate 'vmap' ran out of memory"):
+        fit(stage)
+    assert stage.execution == "loop" and set(stage.executor_seconds) == {"loop"}
+    assert stage.rounds_run == 3 and all(not torch.equal(p, start[n]) for n, p in stage.shared_params().items())
 
 
 def test_data_past_the_device_budget_stays_on_the_host_and_rounds_gather_their_cohort():

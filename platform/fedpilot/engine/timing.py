@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
+
+from fedpilot.engine.memory import release_freed_memory
 
 
 def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:
@@ -30,11 +33,14 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
-    times the best after a turn is not run again (its best so far is its seconds): it cannot win."""
-    for name in candidates:
-        run(name)
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    running = list(candidates)
+    times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
+    runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
+    the loop one client's); when all of them do, the first one's error is raised."""
+    running = [name for name in candidates if _fits(run, name, device)]
+    if not running:
+        run(candidates[0])  # raises the genuine out-of-memory error (or succeeds, if memory was freed meanwhile)
+        running = candidates[:1]
+    times: dict[str, list[float]] = {name: [] for name in running}
     for _ in range(repeats):
         for name in running:
             times[name].append(best_time(lambda name=name: run(name), device, repeats=1, warm=False))
@@ -42,3 +48,23 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
         running = [name for name in running if min(times[name]) <= out_of_the_running * best]
     seconds = {name: min(t) for name, t in times.items()}
     return min(seconds, key=seconds.__getitem__), seconds
+
+
+def _fits(run: Callable[[str], None], name: str, device: torch.device) -> bool:
+    """Whether `run(name)` completes without running out of memory (then its memory is handed back)."""
+    try:
+        run(name)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+    else:
+        return True
+    release_freed_memory(device)
+    warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the timing",
+                  stacklevel=3)
+    return False
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator's (a plain RuntimeError in torch)."""
+    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)

@@ -128,11 +128,14 @@ def test_the_mode_is_entered_only_for_models_with_feature_maps():
 
 
 def measured(monkeypatch, rates: dict[int, float], n: int) -> int:
-    """The batch `in_batches` settles on for n inputs when a batch of b takes rates[b] seconds per sample."""
+    """The batch `in_batches` settles on for n inputs when a batch of b takes rates[b] seconds per sample (or
+    raises rates[b], an error)."""
     calls = []
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         calls.append(len(x))
+        if isinstance(rates.get(len(x)), Exception):
+            raise rates[len(x)]
         return x * 2
 
     def best_time(run, device, repeats=3):
@@ -151,6 +154,15 @@ def test_the_evaluation_batch_is_the_fastest_per_sample_and_the_search_stops_pas
     rates = {16: 5.0, 32: 3.0, 64: 2.0, 128: 2.1, 256: 2.6, 512: 0.1}  # 512 would win, but 256 is 30% past 64
     assert measured(monkeypatch, rates, 1000) == 64
     assert evaluate._forward_batch[next(iter(evaluate._forward_batch))][1] == float("inf")  # settled
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["cuda", "cpu"])
+def test_the_evaluation_batch_search_stops_at_the_first_batch_out_of_memory(monkeypatch, error):
+    monkeypatch.setattr(evaluate, "_forward_batch", {})
+    rates = {16: 5.0, 32: 3.0, 64: 2.0, 128: 1.5, 256: error, 512: 0.1}  # 256 and up do not fit the device
+    assert measured(monkeypatch, rates, 1000) == 128
+    assert evaluate._forward_batch[next(iter(evaluate._forward_batch))][1] == float("inf")  # never tried again
+    assert measured(monkeypatch, rates, 5000) == 128
 
 
 def test_an_unfinished_search_resumes_when_larger_inputs_come(monkeypatch):

@@ -18,10 +18,10 @@ from fedpilot.engine.local import (
     for_each_client,
     precision_context,
 )
-from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.memory import keep_freed_memory, release_freed_memory
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
-from fedpilot.engine.timing import best_time
+from fedpilot.engine.timing import best_time, out_of_memory
 from fedpilot.models.split import ParamSplit
 
 
@@ -106,9 +106,9 @@ def in_batches(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor],
 
 def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> int:
     """The batch of FORWARD_BATCHES with the least seconds per sample (over max(batch, TIMED_SAMPLES) samples),
-    tried from the smallest up until one is 20% slower than the best or the inputs run out; measured once per
-    process for an architecture and input shape (again only when later inputs allow larger batches than an
-    unfinished search could try)."""
+    tried from the smallest up until one is 20% slower than the best, runs out of memory, or the inputs run out;
+    measured once per process for an architecture and input shape (again only when later inputs allow larger
+    batches than an unfinished search could try)."""
     key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
            tuple(inputs.shape[1:]), inputs.dtype, inputs.device, torch.is_autocast_enabled(inputs.device.type))
     if key in _forward_batch and _forward_batch[key][1] >= len(inputs):
@@ -121,7 +121,14 @@ def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Ten
             for i in range(0, len(timed), size):
                 apply(timed[i : i + size])
 
-        rate, tried = best_time(run, inputs.device, repeats=2) / len(timed), size
+        try:
+            rate, tried = best_time(run, inputs.device, repeats=2) / len(timed), size
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # a large model's batch past the device's memory
+            if not out_of_memory(error) or best_rate == float("inf"):
+                raise
+            release_freed_memory(inputs.device)
+            tried = FORWARD_BATCHES[-1]  # no larger batch is tried again
+            break
         if rate < best_rate:
             best, best_rate = size, rate
         elif rate > 1.2 * best_rate:

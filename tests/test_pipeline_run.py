@@ -60,6 +60,8 @@ def test_run_records_stages_distributions_tables_plots_and_memory(workdir):
     assert 0 <= personalize["test_acc_frac_better"] <= 1
     curve = client.get_metric_history(runs[0].info.run_id, "val_acc_mean")
     assert [p.step for p in curve] == [2, 4]
+    # stamped when logged, within the stage run's time (the UI's wall-time axis), not at 1970
+    assert all(runs[0].info.start_time <= p.timestamp <= runs[0].info.end_time for p in curve)
     assert "personalize" in output and "p10" in output  # the summary table
 
 

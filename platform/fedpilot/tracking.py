@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import traceback
 import urllib.parse
 from collections.abc import Iterator
@@ -183,9 +184,10 @@ class Tracker:
             self.client.log_batch(run_id, params=items[i : i + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        """Finite `metrics` at `step`, each (key, step) once: steps a resumed run already holds are skipped."""
-        held = self._logged.get(run_id, {})
-        items = [Metric(k, float(v), 0, step) for k, v in metrics.items()
+        """Finite `metrics` at `step`, stamped with the time they are logged (the UI's wall-time axis), each (key,
+        step) once: steps a resumed run already holds are skipped."""
+        held, now = self._logged.get(run_id, {}), int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
                  if np.isfinite(v) and step > held.get(k, -1)]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])

@@ -124,6 +124,7 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
 
     wait_for(training_stage_1, what="the job to train its second stage", every=0.2)
     slurm_id = jobs(db)[job_id]["slurm_job_id"]
+    signalled_at = time.time()
     if interruption == "time limit":
         subprocess.run(["scancel", "--signal=USR2", slurm_id], check=True)
     else:
@@ -136,7 +137,11 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
     assert row["status"] == "succeeded", log_of(db, job_id)
     code, output = cli("jobs", "show", str(job_id), "--db", db, "--json")
     attempts = json.loads(output)["attempts_detail"]
-    assert [a["status"] for a in attempts] == ["stopped", "succeeded"], attempts
+    # if this fails, did the signal come after the stage had trained? (metrics carry the time they were logged)
+    stage = runs_of(client, row["run_id"])[2].info.run_id
+    late = [m.step for m in client.get_metric_history(stage, "round_time_s") if m.timestamp <= 1000 * signalled_at]
+    assert [a["status"] for a in attempts] == ["stopped", "succeeded"], (
+        f"signalled after round {max(late, default=0)} of the stage", attempts, log_of(db, job_id))
     assert attempts[0]["run_id"] == attempts[1]["run_id"] == row["run_id"]
     assert ("SIGUSR2" if interruption == "time limit" else "SIGTERM") in attempts[0]["error"]
     runs = runs_of(client, row["run_id"])

@@ -71,7 +71,7 @@ BAD = [
     ({**SMALL, "model": {"name": "mlp", "hiden": [3]}}, "model.hiden=[3]", "did you mean 'hidden'"),
     ({**SMALL, "stages": [SMALL["stages"][0], SMALL["stages"][0]]}, "stages.1.name='pretrain'", "unique"),
     ({**SMALL, "stages": [{**SMALL["stages"][0], "host_memory_budget": "lots"}]}, "stages.0.host_memory_budget='lots'",
-     "expected a size in bytes.*'2GiB'"),
+     "='lots': expected a size in bytes.*'2GiB'"),
     ({**SMALL, "stages": [{**SMALL["stages"][0], "device_data_budget": -1}]}, "stages.0.device_data_budget=-1",
      "expected a size in bytes: an integer >= 0"),
 ]

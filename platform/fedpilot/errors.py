@@ -76,6 +76,8 @@ def from_validation(err: ValidationError, model: type[BaseModel], prefix: str = 
         return SpecError(key, value, "not an allowed value", allowed=get_args(_strip(field_type)))
     if kind == "missing":
         return SpecError(key, None, "required")
+    if kind == "value_error" and cause is not None:  # a validator's own words, without pydantic's "Value error, "
+        return SpecError(key, value, str(cause))
     return SpecError(key, value, error["msg"])
 
 

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.engine import FederatedStage
-from pipeline_fixtures import cli, run_id_of, write_pipeline
+from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 DISTRIBUTION = [f"{split}_acc_{stat}" for split in ("test", "val")
                 for stat in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")]
@@ -145,3 +145,13 @@ def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
     with PeakMemory(torch.device("cpu")) as later:
         time.sleep(0.1)
     assert later.bytes < memory.bytes - 100 * 2**20
+
+
+def test_the_progress_bar_says_when_the_first_round_times_the_executors(workdir):
+    spec = {**SMALL, "stages": [SMALL["stages"][0], {**SMALL["stages"][1], "execution": "loop"}]}
+    code, output = cli("run", str(write_pipeline(workdir, spec)))
+    assert code == 0, output
+    bars = {stage: [line for line in output.replace("\r", "\n").splitlines() if stage in line]
+            for stage in ("pretrain", "personalize")}
+    assert any("timing the executor candidates" in line for line in bars["pretrain"]), output  # execution: auto
+    assert not any("timing" in line for line in bars["personalize"]), output  # pinned: nothing to time

@@ -28,6 +28,10 @@ class RoundProgress(TQDMProgressBar):
         self.train_progress_bar.n = trainer.global_step  # a resumed stage starts part-way
         self.train_progress_bar.set_description(self.label)
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if getattr(pl_module, "execution", None) == "auto":  # the first round times the candidates (seconds, for a CNN)
+            self.train_progress_bar.set_postfix_str("timing the executor candidates on the first round", refresh=True)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.train_progress_bar.n = trainer.global_step
         self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
@@ -45,9 +49,8 @@ def quiet_lightning() -> None:
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     quiet_mlflow()
+    # On a Slurm login node srun exists, but `fedpilot run` there is not a Slurm job (submit --to slurm is).
     warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
     # Our round is the manual-optimization step; its checkpoint is meant to hold the state after it.
     warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
-    # On a Slurm login node srun exists, but `fedpilot run` there is not a Slurm job (submit --to slurm is).
-    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")

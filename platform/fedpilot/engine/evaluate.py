@@ -123,7 +123,7 @@ def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Ten
 
         try:
             rate, tried = best_time(run, inputs.device, repeats=2) / len(timed), size
-        except (torch.OutOfMemoryError, RuntimeError) as error:  # a large model's batch past the device's memory
+        except RuntimeError as error:  # out of memory (torch.OutOfMemoryError is one) past some batch
             if not out_of_memory(error) or best_rate == float("inf"):
                 raise
             release_freed_memory(inputs.device)

@@ -18,10 +18,10 @@ from fedpilot.engine.local import (
     for_each_client,
     precision_context,
 )
-from fedpilot.engine.memory import keep_freed_memory, release_freed_memory
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
-from fedpilot.engine.timing import best_time, out_of_memory
+from fedpilot.engine.timing import best_time, within_memory
 from fedpilot.models.split import ParamSplit
 
 
@@ -121,14 +121,13 @@ def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Ten
             for i in range(0, len(timed), size):
                 apply(timed[i : i + size])
 
-        try:
-            rate, tried = best_time(run, inputs.device, repeats=2) / len(timed), size
-        except RuntimeError as error:  # out of memory (torch.OutOfMemoryError is one) past some batch
-            if not out_of_memory(error) or best_rate == float("inf"):
-                raise
-            release_freed_memory(inputs.device)
+        fits, seconds = within_memory(lambda run=run: best_time(run, inputs.device, repeats=2), inputs.device)
+        if not fits and best_rate == float("inf"):
+            seconds = best_time(run, inputs.device, repeats=2)  # the smallest batch: raises the genuine error
+        elif not fits:
             tried = FORWARD_BATCHES[-1]  # no larger batch is tried again
             break
+        rate, tried = seconds / len(timed), size
         if rate < best_rate:
             best, best_rate = size, rate
         elif rate > 1.2 * best_rate:

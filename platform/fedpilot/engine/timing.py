@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from fedpilot.engine.memory import release_freed_memory
+
+T = TypeVar("T")
 
 
 def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:
@@ -36,7 +39,13 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
     runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
     the loop one client's); when all of them do, the first one's error is raised."""
-    running = [name for name in candidates if _fits(run, name, device)]
+    running = []
+    for name in candidates:
+        if within_memory(lambda name=name: run(name), device)[0]:
+            running.append(name)
+        else:
+            warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the "
+                          "timing", stacklevel=2)
     if not running:
         run(candidates[0])  # raises the genuine out-of-memory error (or succeeds, if memory was freed meanwhile)
         running = candidates[:1]
@@ -50,19 +59,16 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     return min(seconds, key=seconds.__getitem__), seconds
 
 
-def _fits(run: Callable[[str], None], name: str, device: torch.device) -> bool:
-    """Whether `run(name)` completes without running out of memory (then its memory is handed back)."""
+def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T | None]:
+    """(True, run()), or (False, None) when it runs out of memory (then its memory is handed back); other errors
+    pass through."""
     try:
-        run(name)
+        return True, run()
     except RuntimeError as error:  # torch.OutOfMemoryError is one
         if not out_of_memory(error):
             raise
-    else:
-        return True
     release_freed_memory(device)
-    warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the timing",
-                  stacklevel=3)
-    return False
+    return False, None
 
 
 def out_of_memory(error: BaseException) -> bool:

@@ -15,6 +15,7 @@ from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.local import (
+    BatchedFirstStepExecutor,
     Batches,
     ChannelsLastLoopExecutor,
     LoopExecutor,
@@ -33,7 +34,8 @@ from fedpilot.models.split import ParamSplit
 Part = Literal["personal", "shared", "all"]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
 EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
-                              "loop_channels_last": ChannelsLastLoopExecutor, "sequential": SequentialExecutor}
+                              "loop_channels_last": ChannelsLastLoopExecutor, "loop_batched_first": BatchedFirstStepExecutor,
+                              "sequential": SequentialExecutor}
 
 
 def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:

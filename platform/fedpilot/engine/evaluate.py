@@ -15,12 +15,12 @@ from fedpilot.engine.local import (
     Forward,
     Params,
     choose_execution,
-    for_each_client,
     precision_context,
 )
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.task import Scores, Task
+from fedpilot.engine.threads import for_each_client
 from fedpilot.engine.timing import best_time, within_memory
 from fedpilot.models.split import ParamSplit
 

@@ -4,15 +4,13 @@ Parameters are dicts of tensors with a leading client dimension [K, ...]. An exe
 batch plan: `VmapExecutor` with torch.func.vmap over clients (`VmapAutogradExecutor`: vmap for the forward pass,
 autograd for the backward), `LoopExecutor` client by client with eager
 autograd (faster for convolutions on CPU, where vmap becomes a slow grouped convolution), one client per
-CPU core at a time.
+CPU core at a time; `BatchedFirstStepExecutor` the loop after a first step batched over clients that start from
+the same weights (engine/shared_start.py).
 """
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,7 +21,9 @@ from torch.func import grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
+from fedpilot.engine.shared_start import batchable, first_step_grads
 from fedpilot.engine.task import Task
+from fedpilot.engine.threads import for_each_client
 
 if TYPE_CHECKING:
     from fedpilot.engine.data import AugmentParams
@@ -60,6 +60,15 @@ class StepRule:
             if self.weight_decay:
                 g.add_(p * _per_client(active.to(p.dtype), p), alpha=self.weight_decay)
             p.sub_(g, alpha=self.lr[n])
+
+    def stepped(self, start: Params, grads: Params, active: torch.Tensor) -> Params:
+        """One step from `start` [K, ...] (broadcast rows allowed) into new tensors, consuming `grads`: plain SGD of
+        all clients writes into the gradients' memory in one pass, anything else steps a copy of `start`."""
+        if self.clip_norm is None and not self.weight_decay and not self.prox and bool(active.all()):
+            return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g) for n, g in grads.items()}
+        params = {n: p.clone(memory_format=torch.contiguous_format) for n, p in start.items()}
+        self.apply_(params, grads, active)
+        return params
 
     def for_client(self, k: int, params: Params) -> StepRule:
         """This rule for client k alone (its row of a per-client reference)."""
@@ -179,36 +188,6 @@ def precision_context(precision: str, device: torch.device) -> AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
 
-def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], clients: int,
-                    device: torch.device) -> None:
-    """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
-
-    A client's step at batch 10 is too small to split over cores, and OpenMP's barriers wait on descheduled
-    threads when the machine is shared (bench/README.md has the measurements).
-    Each client is computed by one thread alone, so the results are the same for any number of threads.
-    Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
-    and the caller's grad mode and autocast state (both thread-local).
-    """
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    if threads == 1:
-        for k in range(clients):
-            run(k, module)
-        return
-    grad = torch.is_grad_enabled()
-    cast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-    mine = threading.local()
-
-    def job(k: int) -> None:
-        if not hasattr(mine, "module"):
-            mine.module = copy.deepcopy(module)
-        with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=cast[1], enabled=cast[0]):
-            run(k, mine.module)
-
-    with ThreadPoolExecutor(min(threads, clients), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        for done in [pool.submit(job, k) for k in range(clients)]:
-            done.result()
-
-
 class Executor:
     """Runs the local steps of a batch plan for a chunk of clients, applying the model with `forward` and scoring
     it with `task`. uses_features: it can run head steps on precomputed body features."""
@@ -294,16 +273,21 @@ class LoopExecutor(Executor):
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
-        device = batches.source.device
-        keep_freed_memory(device)
+        keep_freed_memory(batches.source.device)
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
+        return self.steps_from(0, module, trained, trainable, frozen, fixed, batches, rule, stats)
+
+    def steps_from(self, first: int, module: nn.Module, trained: Params, start: Params, frozen: Params, fixed: Params,
+                   batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+        """Each client's active steps of the plan from step `first` on, from its row of `start` (which may be
+        `trained` itself), into its row of `trained`."""
 
         def client(k: int, module: nn.Module) -> None:
             step_grad = eager_client_grad(module, self.forward, self.task, self.layout)
-            mine = {n: p[k : k + 1].copy_(trainable[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
+            mine = {n: p[k : k + 1].copy_(start[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
-            my_rule = rule.for_client(k, trainable)
-            for s in torch.nonzero(batches.active[k]).flatten().tolist():
+            my_rule = rule.for_client(k, start)
+            for s in (torch.nonzero(batches.active[k, first:]).flatten() + first).tolist():
                 x = batches.inputs(k, s)
                 g, (loss, acc) = step_grad({n: _own_version(p[0]) for n, p in mine.items()}, my_frozen, fixed, x,
                                            batches.labels[k, s], batches.weight[k, s])
@@ -312,7 +296,7 @@ class LoopExecutor(Executor):
                 stats.metric[k] += acc.detach()
                 stats.steps[k] += 1
 
-        for_each_client(module, client, batches.index.shape[0], device)
+        for_each_client(module, client, batches.index.shape[0], batches.source.device)
         return trained
 
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
@@ -348,17 +332,44 @@ class ChannelsLastLoopExecutor(LoopExecutor):
     layout = staticmethod(_channels_last)
 
 
+class BatchedFirstStepExecutor(LoopExecutor):
+    """The loop, whose clients take their first step as one batch when they all start from the same weights
+    (engine/shared_start.py); a candidate the stage times on models that allow it."""
+
+    name = "loop_batched_first"
+
+    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+        first = batches.active[:, 0]
+        same_start = trainable and not frozen and all(p.stride(0) == 0 for p in trainable.values())
+        step = None
+        if same_start and bool(first.any()) and batchable(module):
+            keep_freed_memory(batches.source.device)
+            forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
+            weights = {**{n: p[0] for n, p in trainable.items()}, **fixed}
+            step = first_step_grads(module, forward, self.task, weights, list(trainable),
+                                    batches.inputs(slice(None), 0), batches.labels[:, 0], batches.weight[:, 0])
+        if step is None:
+            return super().train(module, trainable, frozen, fixed, batches, rule, stats)
+        grads, loss, metric = step
+        trained = rule.stepped(trainable, grads, first)
+        stats.add(loss, metric, first)
+        return self.steps_from(1, module, trained, trained, frozen, fixed, batches, rule, stats)
+
+
 VMAPPED = ("vmap", "vmap_autograd")  # executors whose forward passes run vmapped over clients (as evaluation's do)
 
 
 def executor_candidates(module: nn.Module) -> list[str]:
     """The executors a stage times on its first round: the loop, the two vmaps unless the model has recurrent layers
-    (torch.func cannot vmap the fused RNN kernels), the channels-last loop when it has 2-d convolutions."""
+    (torch.func cannot vmap the fused RNN kernels); with 2-d convolutions the channels-last loop, and the loop with a
+    batched first step where the model allows it (`shared_start.batchable`)."""
     kinds = {type(m) for m in module.modules()}
     if any(issubclass(k, nn.RNNBase) for k in kinds):
         return ["loop"]
-    convolutions = ["loop_channels_last"] if any(issubclass(k, nn.Conv2d) for k in kinds) else []
-    return ["vmap", "vmap_autograd", "loop", *convolutions]
+    if not any(issubclass(k, nn.Conv2d) for k in kinds):
+        return ["vmap", "vmap_autograd", "loop"]
+    return ["vmap", "vmap_autograd", "loop", "loop_channels_last", *(["loop_batched_first"] if batchable(module) else [])]
 
 
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:

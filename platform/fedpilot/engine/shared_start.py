@@ -1,0 +1,94 @@
+"""The first local step of clients that all start from the same weights, as one batch over the clients.
+
+FedAvg's clients (and those of every algorithm that trains the broadcast model) take their first local step at the
+same weights, so that step's forward pass and the gradients flowing back through the layers can run once over all
+the clients' samples: large-batch kernels, each weight read once. Only the weight gradients are per client: a Linear
+layer's by one batched matmul over the clients, a Conv2d layer's by the convolution's weight gradient on each
+client's rows (on the engine's per-client threads). `bench/first_step.py` measures it against the per-client steps.
+
+It applies to models whose parameters all belong to Linear and zero-padded Conv2d layers and that hold no buffers
+(batch statistics would mix the clients' samples), and only where each layer with trained weights is applied once
+to inputs that hold the samples along their first dimension; otherwise `first_step_grads` says so and the caller
+steps the clients one by one. A model that mixes samples without parameters or buffers (a hand-written batch norm)
+is outside what can be checked: its first step would see every client's samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import vmap
+
+from fedpilot.engine.task import Task
+from fedpilot.engine.threads import for_each_client
+
+Params = dict[str, torch.Tensor]
+
+
+def _int_padding(conv: nn.Conv2d) -> tuple[int, ...] | None:
+    """The padding a Conv2d applies, as numbers (None for 'same' where torch pads unevenly)."""
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
+        return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
+    return tuple(conv.padding)
+
+
+def _has_per_client_gradient(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.padding_mode == "zeros"
+                                            and _int_padding(layer) is not None)
+
+
+def batchable(module: nn.Module) -> bool:
+    """Whether the first step of `module` can be batched over clients: no buffers, and every parameter a weight or
+    bias of a Linear or zero-padded Conv2d layer of its own (no weight shared between layers)."""
+    owned = [f"{name}.{p}" for name, layer in module.named_modules() if _has_per_client_gradient(layer)
+             for p, _ in layer.named_parameters(recurse=False)]
+    return not any(True for _ in module.buffers()) and sorted(owned) == sorted(n for n, _ in module.named_parameters())
+
+
+def first_step_grads(module: nn.Module, forward: Callable, task: Task, weights: Params, trainable: list[str],
+                     x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+    """Each client's gradient [K, ...] of the `trainable` parameters at the shared `weights`, on its batch x [K, B, ...]
+    (labels y and 0/1 weights w [K, B]), with its loss and metric [K]; None when a layer with trained weights was not
+    applied exactly once to the K * B samples."""
+    clients, samples = x.shape[0], x.shape[0] * x.shape[1]
+    layers = {name: layer for name, layer in module.named_modules()
+              if any(f"{name}.{p}" in trainable for p, _ in layer.named_parameters(recurse=False))}
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in layers}
+    hooks = [layer.register_forward_hook(lambda _, args, out, name=name: seen[name].append((args[0], out)))
+             for name, layer in layers.items()]
+    try:
+        leaves = {n: v.detach().requires_grad_(n in trainable) for n, v in weights.items()}
+        with torch.enable_grad():
+            output = forward(module, leaves, x.flatten(0, 1))
+            loss, metric = vmap(task.loss)(output.unflatten(0, (clients, -1)), y, w)
+            if any(len(io) != 1 or io[0][0].shape[0] != samples for io in seen.values()):
+                return None
+            output_grads = torch.autograd.grad(loss.sum(), [seen[name][0][1] for name in layers])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads: Params = {}
+    convolutions = []
+    for (name, layer), g in zip(layers.items(), output_grads, strict=True):
+        a, g = seen[name][0][0].detach().unflatten(0, (clients, -1)), g.unflatten(0, (clients, -1))
+        if isinstance(layer, nn.Linear):
+            a, g = a.flatten(1, -2), g.flatten(1, -2)
+            grads[f"{name}.weight"] = torch.bmm(g.transpose(1, 2), a.to(g.dtype))
+            grads[f"{name}.bias"] = g.sum(1)
+        else:
+            grads[f"{name}.weight"] = g.new_empty(clients, *layer.weight.shape)
+            grads[f"{name}.bias"] = g.sum((1, 3, 4))
+            convolutions.append((name, layer, a.to(g.dtype), g))
+
+    def client(k: int, _: nn.Module) -> None:
+        for name, layer, a, g in convolutions:
+            grads[f"{name}.weight"][k] = nn.grad.conv2d_weight(a[k], layer.weight.shape, g[k], layer.stride,
+                                                               _int_padding(layer), layer.dilation, layer.groups)
+
+    for_each_client(module, client, clients, x.device)
+    return ({n: grads[n].to(weights[n].dtype) for n in trainable}, loss.detach(), metric.detach())

@@ -1,0 +1,41 @@
+"""Clients on the CPU's cores: one client per intra-op thread, each single-threaded."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+
+def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], clients: int,
+                    device: torch.device) -> None:
+    """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
+
+    A client's step at batch 10 is too small to split over cores, and OpenMP's barriers wait on descheduled
+    threads when the machine is shared (bench/README.md has the measurements).
+    Each client is computed by one thread alone, so the results are the same for any number of threads.
+    Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
+    and the caller's grad mode and autocast state (both thread-local).
+    """
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    if threads == 1:
+        for k in range(clients):
+            run(k, module)
+        return
+    grad = torch.is_grad_enabled()
+    cast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    mine = threading.local()
+
+    def job(k: int) -> None:
+        if not hasattr(mine, "module"):
+            mine.module = copy.deepcopy(module)
+        with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=cast[1], enabled=cast[0]):
+            run(k, mine.module)
+
+    with ThreadPoolExecutor(min(threads, clients), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for done in [pool.submit(job, k) for k in range(clients)]:
+            done.result()

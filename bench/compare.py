@@ -4,18 +4,23 @@ Each contender runs the workload of bench/workload.py in its own process (the pe
 environments, set up by bench/peers/setup.sh on first use) and reports its seconds per round; this driver
 samples the memory of each contender's process tree (PSS, worker processes included), measures the
 machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot and the
-fraction of the GEMM rate each contender achieves on the workload's FLOPs. Then fedpilot's scaling
-(bench/engine_throughput.py) and its cost against the federation and cohort sizes (bench/scale.py). Not part of
-the test suite: nothing here asserts a timing.
+fraction of the GEMM rate each contender achieves on the workload's FLOPs. The contenders run --repeats times,
+taking turns (fedpilot, the plain loops, the peers, then again), so a change in the machine's load falls on all of
+them: the table gives the median over the repeats and the range of each contender's ratio to fedpilot's time in the
+same turn. Then fedpilot's scaling (bench/engine_throughput.py), its cost against the federation and cohort sizes
+(bench/scale.py) and the CNN's first local step batched over the clients (bench/first_step.py). Not part of the test
+suite: nothing here asserts a timing.
 
-    python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--device cpu|cuda]
-                            [--peers flower pfl | --no-peers] [--no-scaling] [--no-scale] [--json results.json]
+    python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--repeats 3] [--device cpu|cuda]
+                            [--peers flower pfl | --no-peers] [--no-scaling] [--no-scale] [--no-first-step]
+                            [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,12 +90,36 @@ def ensure_peers(peers: list[str]) -> list[str]:
     return ready
 
 
+def combine(key: str, runs: list[dict]) -> dict:
+    """One contender's repeats as one row: the median of their medians, the largest peak, every executor chosen."""
+    failed = next((r for r in runs if "error" in r), None)
+    if failed:
+        return failed
+    row = {**runs[0], "median_s": statistics.median(r["median_s"] for r in runs),
+           "median_s_runs": [r["median_s"] for r in runs],
+           "peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs)}
+    if "executor" in row:
+        row["executor"] = "/".join(dict.fromkeys(r["executor"] for r in runs))
+    for field in ("gpu_util_mean", "gpu_peak_mib"):
+        if field in row:
+            row[field] = max(r[field] for r in runs)
+    return row
+
+
+def ratio_range(row: dict, base: dict | None) -> str:
+    """The contender's time over fedpilot's, turn by turn: 'lowest-highest' (one turn: that ratio)."""
+    if base is None or "median_s_runs" not in base:
+        return "-"
+    ratios = [s / b for s, b in zip(row["median_s_runs"], base["median_s_runs"], strict=True)]
+    return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def print_table(model: str, work, rows: list[dict], flops: float, gemm: float) -> None:
-    base = next((r["median_s"] for r in rows if r["key"] == "fedpilot" and "median_s" in r), None)
+    base = next((r for r in rows if r["key"] == "fedpilot" and "median_s" in r), None)
     print(f"\n### {model}: {work.describe()}\n")
     print(f"FLOPs per round (forward + backward): {flops / 1e9:.2f} GFLOP; limit at the measured fp32 GEMM rate: "
           f"{flops / gemm / 1e9:.3f} s\n")
-    print("| contender | s/round (median) | peak memory | x fedpilot's time | GFLOP/s | of fp32 GEMM |")
+    print("| contender | s/round (median) | peak memory | x fedpilot's time (turns) | GFLOP/s | of fp32 GEMM |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         name = r["label"] + (f" {r['version']}" if "version" in r else "") + (
@@ -100,7 +129,7 @@ def print_table(model: str, work, rows: list[dict], flops: float, gemm: float) -
             continue
         s = r["median_s"]
         gpu = f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB" if "gpu_util_mean" in r else ""
-        ratio = f"{s / base:.2f}x" if base else "-"
+        ratio = "-" if base is None else "1.00x" if r is base else f"{s / base['median_s']:.2f}x ({ratio_range(r, base)})"
         print(f"| {name} | {s:.4f} | {r['peak_memory_bytes'] / 2**30:.2f} GiB{gpu} | {ratio} | "
               f"{flops / s / 1e9:.3g} | {100 * flops / s / 1e9 / gemm:.3g}% |")
 
@@ -110,12 +139,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=7, help="rounds per contender, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="turns of every contender (its process run anew each time); the table gives the median")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--peers", nargs="*", default=["pfl", "flower"], choices=["pfl", "flower"])
     parser.add_argument("--no-peers", action="store_true", help="only fedpilot and the plain PyTorch loops")
     parser.add_argument("--no-scaling", action="store_true", help="skip fedpilot's scaling tables")
     parser.add_argument("--no-scale", action="store_true",
                         help="skip the federation-size tables (bench/scale.py: 1k to 1M clients, cohorts 10 to 1000)")
+    parser.add_argument("--no-first-step", action="store_true",
+                        help="skip the CNN's first local step batched over clients (bench/first_step.py)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
@@ -132,14 +165,16 @@ def main() -> None:
           f"{info['torch_threads']} threads; load average before: {info['load'][0]:.2f}")
     print(f"large GEMM on {args.device}: fp32 {gemm32:.0f} GFLOP/s (n={n32}), bf16 {gemm16:.1f} GFLOP/s (n={n16})"
           + ("" if "fedpilot-bf16" in keys else "; no bf16 matmul units, so no bf16-mixed row"))
-    print(f"median of {args.rounds - args.warmup} rounds after {args.warmup} warm-up rounds; peak memory = summed "
-          "PSS of the contender's process tree")
+    print(f"median of {args.rounds - args.warmup} rounds after {args.warmup} warm-up rounds, then the median over "
+          f"{args.repeats} turn(s) of every contender; peak memory = the largest summed PSS of the contender's process "
+          "tree")
     results = {"machine": info, "gemm_gflops": {"fp32": gemm32, "bf16": gemm16}, "models": {}}
     for model in args.models:
         work = WORKLOADS[model]
         write_data(work)
         flops = flops_per_round(work)
-        rows = [run_contender(key, work, args) for key in keys]
+        turns = [[run_contender(key, work, args) for key in keys] for _ in range(args.repeats)]
+        rows = [combine(key, [turn[i] for turn in turns]) for i, key in enumerate(keys)]
         print_table(model, work, rows, flops, gemm32)
         results["models"][model] = {"flops_per_round": flops, "rows": rows}
     print(f"\nload average after: {describe(args.device)['load'][0]:.2f}")
@@ -149,6 +184,8 @@ def main() -> None:
                         "--gemm-gflops", str(gemm32)], check=True)
     if not args.no_scale:
         subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "scale.py"), "--device", args.device], check=True)
+    if not args.no_first_step and "cnn" in args.models:
+        subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "first_step.py"), "--device", args.device], check=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -1,0 +1,78 @@
+"""The CNN's local steps by each executor the engine times, the batched first step (`loop_batched_first`) among them
+(issue 18, "the CNN round itself").
+
+Every FedAvg client starts its first local step from the same broadcast weights, so the engine's `loop_batched_first`
+runs that step's forward pass and the gradients through the layers once over all clients' samples and only the
+weight gradients per client (engine/shared_start.py). This times --steps local steps of --clients clients (default:
+the first step alone, where the batching is), with every executor candidate of the workload's CNN, the candidates
+taking turns as in the stage's own trial; it prints each one's best time and its speed-up over the per-client
+`loop`, and checks first that every executor steps the clients to the same weights.
+
+    python bench/first_step.py [--device cpu] [--clients 50] [--batch 10] [--steps 1] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+from workload import WORKLOADS, build_model
+
+from fedpilot.engine.cohort import EXECUTORS, plain_forward
+from fedpilot.engine.local import Batches, Params, StepRule, TrainStats, executor_candidates
+from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.task import CLASSIFICATION
+from fedpilot.engine.timing import fastest
+
+LR = 0.05
+
+
+def local_steps(name: str, model: nn.Module, shared: Params, x: torch.Tensor, y: torch.Tensor) -> Params:
+    """Every client's steps over its batches x [K, S, B, ...] from the shared weights, with the executor `name`."""
+    clients, steps, batch = y.shape
+    index = torch.arange(y.numel(), device=x.device).view(clients, steps, batch)
+    batches = Batches(x.flatten(0, 2), index, y, torch.ones(clients, steps, batch, device=x.device),
+                      torch.ones(clients, steps, dtype=torch.bool, device=x.device))
+    trainable = {n: p.expand(clients, *p.shape) for n, p in shared.items()}
+    executor = EXECUTORS[name](plain_forward, CLASSIFICATION)
+    return executor.train(model, trainable, {}, {}, batches, StepRule(dict.fromkeys(shared, LR)),
+                          TrainStats.zeros(clients, x.device))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=1, help="local steps per client (the workload's epoch: 2)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    keep_freed_memory(device)
+    work = WORKLOADS["cnn"]
+    model = build_model(work).to(device)
+    shared = {n: p.detach() for n, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.clients, args.steps, args.batch, *work.input_shape, generator=generator).to(device)
+    y = torch.randint(0, work.classes, (args.clients, args.steps, args.batch), generator=generator).to(device)
+
+    candidates = executor_candidates(model)
+    reached = {name: local_steps(name, model, shared, x, y) for name in candidates}
+    moved = max((reached["loop"][n] - shared[n]).abs().max().item() for n in shared)
+    for name, trained in reached.items():
+        off = max((trained[n] - reached["loop"][n]).abs().max().item() for n in shared)
+        if off > 1e-2 * moved:
+            raise SystemExit(f"{name}: clients' weights differ from the loop's by {off:.3g} (the steps moved {moved:.3g})")
+
+    _, seconds = fastest(candidates, lambda name: local_steps(name, model, shared, x, y), device,
+                         repeats=args.repeats, out_of_the_running=float("inf"))
+    print(f"\n## {args.steps} local step(s) of {args.clients} CNN clients at batch {args.batch} from the same weights "
+          f"({device}, {torch.get_num_threads()} threads; best of {args.repeats}, executors taking turns)\n")
+    print("| executor | seconds | speed-up over `loop` |\n|---|---:|---:|")
+    for name, s in seconds.items():
+        print(f"| {name} | {s:.4f} | {seconds['loop'] / s:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -92,6 +92,12 @@ def test_fedprox_pull_toward_the_broadcast_matches_sequential(batched):
     assert batched and all(batched)
 
 
+def test_a_model_of_linear_layers_alone_pinned_to_it_matches_sequential(batched):
+    assert_matches_sequential("fedavg", [], local=LocalConfig(epochs=1, batch_size=4, lr=0.1), model=TinyMLP,
+                              executions=(("loop_batched_first", 4),))
+    assert batched and all(batched)
+
+
 def test_each_clients_gradient_is_its_own_on_its_own_samples():
     torch.manual_seed(0)
     model, clients, batch = Varied(), 3, 5

@@ -90,5 +90,6 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, weights: 
             grads[f"{name}.weight"][k] = nn.grad.conv2d_weight(a[k], layer.weight.shape, g[k], layer.stride,
                                                                _int_padding(layer), layer.dilation, layer.groups)
 
-    for_each_client(module, client, clients, x.device)
+    if convolutions:
+        for_each_client(module, client, clients, x.device)
     return ({n: grads[n].to(weights[n].dtype) for n in trainable}, loss.detach(), metric.detach())

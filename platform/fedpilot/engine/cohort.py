@@ -34,8 +34,8 @@ from fedpilot.models.split import ParamSplit
 Part = Literal["personal", "shared", "all"]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
 EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
-                              "loop_channels_last": ChannelsLastLoopExecutor, "loop_batched_first": BatchedFirstStepExecutor,
-                              "sequential": SequentialExecutor}
+                              "loop_channels_last": ChannelsLastLoopExecutor,
+                              "loop_batched_first": BatchedFirstStepExecutor, "sequential": SequentialExecutor}
 
 
 def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:

@@ -367,9 +367,10 @@ def executor_candidates(module: nn.Module) -> list[str]:
     kinds = {type(m) for m in module.modules()}
     if any(issubclass(k, nn.RNNBase) for k in kinds):
         return ["loop"]
-    if not any(issubclass(k, nn.Conv2d) for k in kinds):
-        return ["vmap", "vmap_autograd", "loop"]
-    return ["vmap", "vmap_autograd", "loop", "loop_channels_last", *(["loop_batched_first"] if batchable(module) else [])]
+    candidates = ["vmap", "vmap_autograd", "loop"]
+    if any(issubclass(k, nn.Conv2d) for k in kinds):
+        candidates += ["loop_channels_last", *(["loop_batched_first"] if batchable(module) else [])]
+    return candidates
 
 
 def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:

@@ -92,4 +92,4 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, weights: 
 
     if convolutions:
         for_each_client(module, client, clients, x.device)
-    return ({n: grads[n].to(weights[n].dtype) for n in trainable}, loss.detach(), metric.detach())
+    return {n: grads[n].to(weights[n].dtype) for n in trainable}, loss.detach(), metric

@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 
@@ -158,6 +159,38 @@ def _jobs(db: str) -> list[dict]:
     return json.loads(output)
 
 
+def _job_output(db: str, job: dict) -> str:
+    """What a failed job left: its error and its child's stderr (for an assertion message)."""
+    code, output = cli("jobs", "show", str(job["id"]), "--db", db, "--json")
+    shown = json.loads(output) if code == 0 else {"error": output}
+    return f"job {job['id']} {job['status']}: {shown['error']}\n{shown.get('stderr_tail') or ''}"
+
+
+def test_a_search_waits_out_another_process_holding_the_sqlite_write_lock(env):
+    """Workers share one SQLite file for the queue and the studies: a write lock held longer than sqlite3's
+    default 5 s wait (a busy disk) delays a trial instead of failing the search with `database is locked`."""
+    path = env / "optuna.db"
+    search = Search(PipelineSpec.from_dict(spec_with(SEARCH)), f"sqlite:///{path}", trials=1, echo=lambda line: None)
+    locked, held = threading.Event(), 6.0
+    def hold_the_write_lock() -> None:
+        with closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            locked.set()
+            time.sleep(held)
+            other.execute("COMMIT")
+    trial = search.study.ask()
+    holder = threading.Thread(target=hold_the_write_lock)
+    holder.start()
+    locked.wait()
+    start = time.monotonic()
+    trial.set_user_attr("mlflow_run_id", "r")  # Optuna retries creating a trial, but not this, a report or a tell
+    waited = time.monotonic() - start
+    holder.join()
+    assert search.study.trials[0].user_attrs == {"mlflow_run_id": "r"} and waited > 0.8 * held
+    search.lease.acquire()  # the platform's own engine waits just as long
+    search.lease.release()
+
+
 def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, db_url):
     path = write_pipeline(tmp_path, TINY, "tiny.yaml")
     for _ in range(2):
@@ -167,7 +200,7 @@ def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, 
     logs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), logs
     jobs = _jobs(db_url)
-    assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], [j.get("stderr_tail", j) for j in jobs]
+    assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], [_job_output(db_url, j) for j in jobs]
     assert len({j["worker"] for j in jobs}) == 2
     trials = optuna.load_study(study_name="small", storage=db_url).get_trials()
     assert len(trials) == 6 and all(t.state.name == "COMPLETE" for t in trials)

@@ -46,12 +46,22 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+SQLITE_BUSY_SECONDS = 30  # how long a connection waits for another process's write lock on an SQLite file
+
+
+def engine_options(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine options for the platform database, shared by Optuna's storage on the same file: on SQLite
+    a connection waits up to SQLITE_BUSY_SECONDS for a lock (sqlite3's default 5 s fails busy workers); elsewhere
+    connections are pinged before use."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": SQLITE_BUSY_SECONDS}}
+    return {"pool_pre_ping": True}
+
+
 def connect(url: str) -> Engine:
     """An engine on the platform database with the `fedpilot_*` tables created; a bad URL is a SpecError."""
-    is_sqlite = url.startswith("sqlite")
     try:
-        engine = create_engine(url, connect_args={"timeout": 30} if is_sqlite else {},
-                               pool_pre_ping=not is_sqlite)
+        engine = create_engine(url, **engine_options(url))
     except (ArgumentError, NoSuchModuleError) as err:
         raise SpecError("--db", url, f"not a usable database URL: {err}") from None
     except ImportError as err:

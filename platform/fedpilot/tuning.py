@@ -30,7 +30,7 @@ from optuna.trial import TrialState
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from fedpilot.db import Lease, connect
+from fedpilot.db import Lease, connect, engine_options
 from fedpilot.errors import SpecError
 from fedpilot.pipeline import PipelineRunner
 from fedpilot.report import log_report, short_keys
@@ -168,6 +168,7 @@ class Search:
         directions = [o.direction for o in self.search.objective]
         with schema_init_lock(storage_url):
             storage = RDBStorage(storage_url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
+                                 engine_kwargs=engine_options(storage_url),
                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=make_sampler(spec),
                                              pruner=make_pruner(spec), directions=directions, load_if_exists=True)

@@ -18,7 +18,7 @@ from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import Engine, delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from fedpilot.db import QUEUED, Firing, Job, Schedule, session_factory, utcnow
+from fedpilot.db import QUEUED, Firing, Job, Schedule, engine_options, session_factory, utcnow
 from fedpilot.errors import SpecError
 from fedpilot.names import check_name
 
@@ -221,7 +221,8 @@ def study_trials(engine: Engine, study: str) -> int:
 
     if not inspect(engine).has_table("studies"):
         return 0
-    storage = RDBStorage(engine.url.render_as_string(hide_password=False), skip_table_creation=True)
+    url = engine.url.render_as_string(hide_password=False)
+    storage = RDBStorage(url, engine_kwargs=engine_options(url), skip_table_creation=True)
     try:
         study_id = storage.get_study_id_from_name(study)
     except KeyError:

@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
+# pytest-xdist workers for `make test`: most slow tests wait on services and child processes, not on a core
+TEST_WORKERS ?= 3
 
 .PHONY: install demo test lint bench clean
 
@@ -24,7 +26,7 @@ lint: install
 	$(BIN)/ruff check platform tests bench
 
 test: lint
-	$(BIN)/pytest -q --durations=20
+	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
 
 bench: install  ## fedpilot vs peers, one table (peers' venvs set up on first use); BENCH_ARGS="--no-peers", "--device cuda"
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)

@@ -24,6 +24,8 @@ from fedpilot.pipeline import PipelineRunner, check_devices
 from fedpilot.spec import load_pipeline
 from pipeline_fixtures import SMALL, run_id_of, write_pipeline
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 HERE = Path(__file__).parent
 
 

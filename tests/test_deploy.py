@@ -41,6 +41,8 @@ from postgres import fresh_postgres
 from test_jobs import TINY
 from test_mlflow_server import free_port, wait_healthy
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN, SERVICE = ("admin", "admin-password-for-tests"), ("fedpilot", "service-password-for-tests")
 SEARCH = {"space": {"stages.0.local.lr": {"type": "float", "low": 0.01, "high": 0.1}},

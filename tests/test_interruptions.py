@@ -18,6 +18,8 @@ from fedpilot.pipeline import code_fingerprint
 from fedpilot.tracking import Tracker
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 HERE = Path(__file__).parent
 CPU = "system/cpu_utilization_percentage"
 LONGER = {**SMALL, "tracking": {"system_metrics": True},

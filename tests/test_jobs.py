@@ -23,6 +23,8 @@ from fedpilot.db import Job, connect, session_factory, utcnow
 from fedpilot.jobs.queue import claim, list_jobs, recover, submit
 from pipeline_fixtures import cli, write_pipeline
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 TINY = {
     "name": "tiny",
     "seed": 0,

@@ -18,6 +18,8 @@ from mlflow import MlflowClient
 
 from pipeline_fixtures import run_id_of, write_pipeline
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 DISTRIBUTION = [f"test_acc_{s}" for s in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")]
 MEMORY = ["shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "comm_bytes_per_round",
           "peak_memory_bytes"]

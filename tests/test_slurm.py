@@ -105,8 +105,24 @@ def test_a_search_over_a_two_task_job_array_finishes_exactly_the_trials(slurm, w
     assert rows[ids[0]]["run_id"] == rows[ids[1]]["run_id"]  # one search run for the study, both workers in it
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    """LONG run once in this process, in a store and cache of its own: each stage's final test and val metrics."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.setenv("FEDPILOT_CACHE", str(folder / "cache"))
+        code, output = cli("run", str(write_pipeline(folder, LONG, "long.yaml")), "--no-progress")
+    assert code == 0, output
+    runs = runs_of(MlflowClient(uri), output.strip().splitlines()[-1].split(": ")[1])
+    return [{key: run.data.metrics[key] for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted")}
+            for run in runs[1:]]
+
+
 @pytest.mark.parametrize("interruption", ["scontrol requeue", "time limit"])
-def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir, monkeypatch, interruption):
+def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir, uninterrupted, interruption):
     """`scontrol requeue` (what preemption does too): SIGTERM, the run stops after its round with a checkpoint and
     Slurm requeues the job. The time limit: Slurm's SIGUSR2 shortly before it (sent here by scancel --signal), the
     run stops the same way and the job requeues itself. Either way it resumes in its own MLflow runs."""
@@ -149,13 +165,8 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
     assert_each_step_once(client, runs)
     steps = [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")]
     assert steps == list(range(1, LONG_ROUNDS + 1))
-    monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "fresh-cache"))
-    code, output = cli("run", str(write_pipeline(workdir, LONG, "long.yaml")), "--no-progress")
-    assert code == 0, output
-    clean = runs_of(client, output.strip().splitlines()[-1].split(": ")[1])
-    for a, b in zip(runs[1:], clean[1:], strict=True):
-        for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted"):
-            assert a.data.metrics[key] == b.data.metrics[key], (a.info.run_name, key)  # bit-identical
+    for run, clean in zip(runs[1:], uninterrupted, strict=True):
+        assert {key: run.data.metrics[key] for key in clean} == clean, run.info.run_name  # bit-identical
 
 
 def test_fedpilot_cancel_ends_a_slurm_job(slurm, workdir):

@@ -20,6 +20,8 @@ from fedpilot.spec import PipelineSpec
 from fedpilot.tuning import PruneOnEvaluation, Search, quiet_optuna
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
+pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
+
 SPACE = {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": 0.3, "log": True}}
 SEARCH = {"space": SPACE, "objective": {"metric": "val_acc_weighted"}, "trials": 3,
           "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}}

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
-# pytest-xdist workers for `make test`: most slow tests wait on services and child processes, not on a core
+# pytest-xdist workers for `make test`: more than the cores, as the end-to-end tests also wait on their services
 TEST_WORKERS ?= 3
 
 .PHONY: install demo test lint bench clean

@@ -2,8 +2,8 @@
 Slurm cluster (tests/slurm.py).
 
 `make test` runs the files on parallel pytest-xdist workers, a whole file to a worker (`--dist loadfile`: module
-fixtures start once, one worker owns the Slurm cluster); files with `slow` tests go first so that none of them is
-left to run alone at the end."""
+fixtures start once, one worker owns the Slurm cluster); the Slurm file and then the other files with `slow` tests
+go first so that none of them is left to run alone at the end."""
 
 import mlflow
 import pytest

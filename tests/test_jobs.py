@@ -34,6 +34,7 @@ TINY = {
     "tracking": {"system_metrics": False, "plots": False},
     "stages": [{"name": "fedavg", "algorithm": "fedavg", "rounds": 2, "clients_per_round": 3}],
 }
+LONG = 150  # rounds of a job that must still be training when the test acts on it (~0.05 s a round)
 FAST = ["--poll-seconds", "0.2", "--heartbeat-seconds", "0.3", "--grace-seconds", "2"]
 
 
@@ -112,7 +113,7 @@ def test_concurrent_claims_take_each_job_once(db_url):
 
 
 def test_a_jobs_mlflow_run_is_recorded_while_it_trains_not_at_the_next_heartbeat(sqlite_url, child_env, tmp_path):
-    job_id = submitted(str(tiny(tmp_path, rounds=400)), "--db", sqlite_url)
+    job_id = submitted(str(tiny(tmp_path, rounds=LONG)), "--db", sqlite_url)
     worker = start_worker(sqlite_url, child_env, tmp_path, "slow-beat", "--heartbeat-seconds", "120",
                           "--grace-seconds", "300", "--exit-when-idle")
     wait_for(lambda: job(sqlite_url, job_id)["run_id"], what="the job's MLflow run to be recorded")
@@ -122,7 +123,7 @@ def test_a_jobs_mlflow_run_is_recorded_while_it_trains_not_at_the_next_heartbeat
 
 
 def test_killed_workers_job_is_resumed_by_another_worker_in_the_same_runs(db_url, child_env, tmp_path):
-    job_id = submitted(str(tiny(tmp_path, rounds=400)), "--db", db_url)
+    job_id = submitted(str(tiny(tmp_path, rounds=LONG)), "--db", db_url)
     first = start_worker(db_url, child_env, tmp_path, "doomed")
     wait_for(lambda: job(db_url, job_id)["run_id"], what="the job's MLflow run to be recorded")
     client = MlflowClient(child_env["MLFLOW_TRACKING_URI"])
@@ -148,7 +149,7 @@ def test_killed_workers_job_is_resumed_by_another_worker_in_the_same_runs(db_url
     stages = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
     assert parent.info.status == "FINISHED" and [s.info.status for s in stages] == ["FINISHED"]
     steps = [m.step for m in client.get_metric_history(stages[0].info.run_id, "round_time_s")]
-    assert steps == list(range(1, 401))  # every round once, also those redone after the last checkpoint
+    assert steps == list(range(1, LONG + 1))  # every round once, also those redone after the last checkpoint
     code, output = cli("jobs", "show", str(job_id), "--db", db_url, "--json")
     attempts = json.loads(output)["attempts_detail"]
     assert [(a["worker"], a["status"], a["run_id"]) for a in attempts] == [("doomed", "lost", run_id),

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData
-from fedpilot.engine import LocalConfig, local
-from fedpilot.engine.cohort import plain_forward
+from fedpilot.api import Algorithm
+from fedpilot.engine import LocalConfig, Upload, local
+from fedpilot.engine.cohort import Cohort, plain_forward
 from fedpilot.engine.local import (
     BatchedFirstStepExecutor,
     Batches,
@@ -98,21 +100,87 @@ def test_a_model_of_linear_layers_alone_pinned_to_it_matches_sequential(batched)
     assert batched and all(batched)
 
 
-def test_each_clients_gradient_is_its_own_on_its_own_samples():
+def _own_gradients(model: nn.Module, params: dict[str, torch.Tensor], trainable: list[str], x: torch.Tensor,
+                   y: torch.Tensor, w: torch.Tensor) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """Client by client, plain autograd: each client's gradient of `trainable` at its row of `params`, and its loss."""
+    grads, losses = [], []
+    for k in range(x.shape[0]):
+        leaves = {n: p[k].clone().requires_grad_(n in trainable) for n, p in params.items()}
+        loss, _ = CLASSIFICATION.loss(plain_forward(model, leaves, x[k]), y[k], w[k])
+        grads.append(dict(zip(trainable, torch.autograd.grad(loss, [leaves[n] for n in trainable]), strict=True)))
+        losses.append(loss.detach())
+    return grads, losses
+
+
+HEAD_OF_VARIED = ["head.weight", "head.bias"]
+CLIENT_PARTS = {  # (parameters with a row of their own per client, the trained ones: None = all)
+    "all shared (FedAvg)": ([], None),
+    "personal head, trained with the rest (FedSim)": (HEAD_OF_VARIED, None),
+    "personal head, frozen (FedAlt's shared phase)": (HEAD_OF_VARIED, ["down.weight", "grouped.weight",
+                                                                        "grouped.bias", "mix.weight", "mix.bias"]),
+    "personal weight, shared bias": (["head.weight"], None),
+    "a personal Linear inside the body": (["mix.weight", "mix.bias"], None),
+}
+
+
+@pytest.mark.parametrize(("apart", "trained"), CLIENT_PARTS.values(), ids=CLIENT_PARTS.keys())
+def test_each_clients_gradient_is_its_own_on_its_own_samples(apart, trained):
     torch.manual_seed(0)
     model, clients, batch = Varied(), 3, 5
-    weights = {n: p.detach() for n, p in model.named_parameters()}
+    params = {n: p.detach().expand(clients, *p.shape) for n, p in model.named_parameters()}
+    params |= {n: params[n] + 0.3 * torch.randn_like(params[n]) for n in apart}  # rows of their own
+    trainable = trained or list(params)
     x, y = torch.randn(clients, batch, 1, 8, 8), torch.randint(0, 4, (clients, batch))
     w = torch.ones(clients, batch)
     w[1, 3:] = 0  # client 1 has 3 samples: the rest of its batch is padding
-    grads, loss, _ = first_step_grads(model, plain_forward, CLASSIFICATION, weights, list(weights), x, y, w)
+    grads, loss, _ = first_step_grads(model, plain_forward, CLASSIFICATION, params, {}, trainable, x, y, w)
+    assert sorted(grads) == sorted(trainable)
+    own, own_loss = _own_gradients(model, params, trainable, x, y, w)
     for k in range(clients):
-        leaves = {n: p.clone().requires_grad_() for n, p in weights.items()}
-        own_loss, _ = CLASSIFICATION.loss(plain_forward(model, leaves, x[k]), y[k], w[k])
-        own = torch.autograd.grad(own_loss, list(leaves.values()))
-        for name, g in zip(leaves, own, strict=True):
-            torch.testing.assert_close(grads[name][k], g, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(loss[k], own_loss.detach())
+        for name in trainable:
+            torch.testing.assert_close(grads[name][k], own[k][name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(loss[k], own_loss[k])
+
+
+def test_a_personal_convolution_is_left_to_the_loop():
+    model = Varied()
+    params = {n: p.detach().expand(2, *p.shape) for n, p in model.named_parameters()}
+    params["down.weight"] = params["down.weight"] + 0.1  # rows of their own, [2, ...] contiguous
+    x, y, w = torch.randn(2, 3, 1, 8, 8), torch.randint(0, 4, (2, 3)), torch.ones(2, 3)
+    assert first_step_grads(model, plain_forward, CLASSIFICATION, params, {}, list(params), x, y, w) is None
+
+
+PERSONALIZED = {  # algorithm, its params: each trains the shared body while the clients' heads differ
+    "fedalt": {"tau_v": 1, "tau_u": 2},
+    "fedrep": {},
+    "fedsim": {"lr_v": 0.3},
+    "fedper": {},
+}
+
+
+@pytest.mark.parametrize("algorithm", PERSONALIZED, ids=PERSONALIZED.keys())
+def test_clients_with_personal_heads_reach_the_sequential_references_weights(batched, algorithm):
+    assert_matches_sequential(algorithm, ["head.weight", "head.bias"], PERSONALIZED[algorithm], model=TinyCNN,
+                              data=ToyData(image=True), executions=(("loop_batched_first", 5),))
+    assert True in batched  # the phases with a trained body and personal heads went batched
+
+
+class GatedHead(Algorithm):
+    """FedSim with a forward of its own (it scales the head's output): the per-client head cannot be batched."""
+
+    name = "gated_head"
+
+    def forward(self, model: nn.Module, params: dict, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * functional_call(model, params, (x,))
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        return Upload(shared=cohort.sgd("all").shared)
+
+
+def test_an_algorithms_own_forward_keeps_personal_heads_on_the_loop(batched):
+    assert_matches_sequential(GatedHead(), ["head.weight", "head.bias"], model=TinyCNN, data=ToyData(image=True),
+                              executions=(("loop_batched_first", 5),))
+    assert batched == [] and "loop_batched_first" in executor_candidates(TinyCNN())
 
 
 def test_which_models_it_applies_to():
@@ -162,7 +230,7 @@ def test_models_it_does_not_apply_to_are_stepped_by_the_loop(batched, model):
     assert batched == ([False] if isinstance(model, Twice) else [])
 
 
-def test_clients_that_start_apart_are_stepped_by_the_loop(batched):
+def test_clients_whose_convolutions_start_apart_are_stepped_by_the_loop(batched):
     torch.manual_seed(0)
     model = TinyCNN()
     apart = {n: p + 0.1 * torch.randn_like(p) for n, p in _broadcast(model).items()}
@@ -170,7 +238,7 @@ def test_clients_that_start_apart_are_stepped_by_the_loop(batched):
     want, _ = _first_steps(model, LoopExecutor, apart)
     for name in want:
         assert torch.equal(got[name], want[name])
-    assert batched == []
+    assert batched == [False]  # refused: only Linear layers may hold weights of their own
 
 
 def test_one_client_alone_leaves_the_broadcast_weights_untouched():

@@ -25,6 +25,7 @@ from fedpilot.engine.local import (
     VmapAutogradExecutor,
     VmapExecutor,
     choose_execution,
+    plain_forward,
     precision_context,
 )
 from fedpilot.engine.sequential import SequentialExecutor
@@ -36,11 +37,6 @@ Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
 EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
                               "loop_channels_last": ChannelsLastLoopExecutor,
                               "loop_batched_first": BatchedFirstStepExecutor, "sequential": SequentialExecutor}
-
-
-def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward with `params`."""
-    return functional_call(module, params, (x,))
 
 
 @dataclass

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.func import grad, vmap
+from torch.func import functional_call, grad, vmap
 
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
+from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.shared_start import batchable, first_step_grads
 from fedpilot.engine.task import Task
 from fedpilot.engine.threads import for_each_client
@@ -30,6 +31,16 @@ if TYPE_CHECKING:
 
 Params = dict[str, torch.Tensor]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
+
+
+def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with `params`."""
+    return functional_call(module, params, (x,))
+
+
+def models_own(forward: Forward) -> bool:
+    """Whether `forward` is the model's own forward: `plain_forward` or the default `Algorithm.forward`."""
+    return forward is plain_forward or getattr(forward, "__func__", None) is Algorithm.forward
 
 
 @dataclass
@@ -333,21 +344,23 @@ class ChannelsLastLoopExecutor(LoopExecutor):
 
 
 class BatchedFirstStepExecutor(LoopExecutor):
-    """The loop, whose clients take their first step as one batch when they all start from the same weights
-    (engine/shared_start.py); a candidate the stage times on models that allow it."""
+    """The loop, whose clients take their first step as one batch when they start from the same weights but for
+    Linear layers of their own, such as a personal head (engine/shared_start.py); a candidate the stage times on
+    models that allow it. Weights of their own need the model's own forward (an algorithm's forward may mix them
+    in ways the per-client layers cannot follow)."""
 
     name = "loop_batched_first"
 
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         first = batches.active[:, 0]
-        same_start = trainable and not frozen and all(p.stride(0) == 0 for p in trainable.values())
+        clients = {**trainable, **frozen}
+        same_weights = all(p.stride(0) == 0 for p in clients.values())
         step = None
-        if same_start and bool(first.any()) and batchable(module):
+        if trainable and bool(first.any()) and batchable(module) and (same_weights or models_own(self.forward)):
             keep_freed_memory(batches.source.device)
             forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
-            weights = {**{n: p[0] for n, p in trainable.items()}, **fixed}
-            step = first_step_grads(module, forward, self.task, weights, list(trainable),
+            step = first_step_grads(module, forward, self.task, clients, fixed, list(trainable),
                                     batches.inputs(slice(None), 0), batches.labels[:, 0], batches.weight[:, 0])
         if step is None:
             return super().train(module, trainable, frozen, fixed, batches, rule, stats)

@@ -4,7 +4,9 @@ FedAvg's clients (and those of every algorithm that trains the broadcast model) 
 same weights, so that step's forward pass and the gradients flowing back through the layers can run once over all
 the clients' samples: large-batch kernels, each weight read once. Only the weight gradients are per client: a Linear
 layer's by one batched matmul over the clients, a Conv2d layer's by the convolution's weight gradient on each
-client's rows (on the engine's per-client threads). `bench/first_step.py` measures it against the per-client steps.
+client's rows (on the engine's per-client threads). Clients that differ only in Linear layers of their own (a personal
+head: the shared phase of FedAlt and FedRep, FedSim's joint step) are batched too: such a layer runs as one batched
+matmul of each client's rows with its own weights. `bench/first_step.py` measures it against the per-client steps.
 
 It applies to models whose parameters all belong to Linear and zero-padded Conv2d layers and that hold no buffers
 (batch statistics would mix the clients' samples), and only where each layer with trained weights is applied once
@@ -50,29 +52,63 @@ def batchable(module: nn.Module) -> bool:
     return not any(True for _ in module.buffers()) and sorted(owned) == sorted(n for n, _ in module.named_parameters())
 
 
-def first_step_grads(module: nn.Module, forward: Callable, task: Task, weights: Params, trainable: list[str],
-                     x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
-    """Each client's gradient [K, ...] of the `trainable` parameters at the shared `weights`, on its batch x [K, B, ...]
-    (labels y and 0/1 weights w [K, B]), with its loss and metric [K]; None when a layer with trained weights was not
-    applied exactly once to the K * B samples."""
+def _linear_per_client(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       clients: int) -> torch.Tensor:
+    """A Linear layer applied to each client's rows of x [K * B, ..., in] with its own weight [K, out, in] and bias
+    [K, out], in the shape of the shared layer's output `out`."""
+    a = x.unflatten(0, (clients, -1)).flatten(1, -2)
+    w = weight.transpose(1, 2)
+    y = torch.bmm(a, w) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, w)
+    return y.view(out.shape)
+
+
+def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: Params, fixed: Params,
+                     trainable: list[str], x: torch.Tensor, y: torch.Tensor,
+                     w: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+    """Each client's gradient [K, ...] of the `trainable` parameters on its batch x [K, B, ...] (labels y and 0/1
+    weights w [K, B]), with its loss and metric [K], at the clients' `params` [K, ...] (a broadcast's rows are
+    stride-0 views of the same weights) and the shared frozen `fixed`. Linear layers with per-client weights (a
+    personal head) run per client on their rows of the batch (one batched matmul); every other layer once over all the
+    samples. None when a layer with per-client weights is not a Linear layer, or a layer with trained or per-client
+    weights was not applied exactly once to the K * B samples."""
     clients, samples = x.shape[0], x.shape[0] * x.shape[1]
-    layers = {name: layer for name, layer in module.named_modules()
-              if any(f"{name}.{p}" in trainable for p, _ in layer.named_parameters(recurse=False))}
-    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in layers}
-    hooks = [layer.register_forward_hook(lambda _, args, out, name=name: seen[name].append((args[0], out)))
-             for name, layer in layers.items()]
+    apart = {n for n, p in params.items() if clients > 1 and p.stride(0) != 0}
+    owned = {name: [f"{name}.{p}" for p, _ in layer.named_parameters(recurse=False)]
+             for name, layer in module.named_modules()}
+    modules = dict(module.named_modules())
+    per_client = {name for name, names in owned.items() if apart.intersection(names)}
+    if any(not isinstance(modules[name], nn.Linear) for name in per_client):
+        return None
+    layers = {name: modules[name] for name, names in owned.items()
+              if name not in per_client and any(n in trainable for n in names)}
+    own = {n: params[n].detach().requires_grad_(n in trainable) for name in per_client for n in owned[name]}
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in [*layers, *per_client]}
+
+    def record(name: str) -> Callable:
+        def hook(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            seen[name].append((args[0], out))
+            if name in per_client and args[0].shape[0] == samples:  # otherwise refused below
+                return _linear_per_client(args[0], out, own[f"{name}.weight"], own.get(f"{name}.bias"), clients)
+            return None
+        return hook
+
+    hooks = [modules[name].register_forward_hook(record(name)) for name in seen]
     try:
-        leaves = {n: v.detach().requires_grad_(n in trainable) for n, v in weights.items()}
+        leaves = {**{n: v[0].detach().requires_grad_(n in trainable and n not in own) for n, v in params.items()},
+                  **fixed}
         with torch.enable_grad():
             output = forward(module, leaves, x.flatten(0, 1))
             loss, metric = vmap(task.loss)(output.unflatten(0, (clients, -1)), y, w)
             if any(len(io) != 1 or io[0][0].shape[0] != samples for io in seen.values()):
                 return None
-            output_grads = torch.autograd.grad(loss.sum(), [seen[name][0][1] for name in layers])
+            mine = [n for n in trainable if n in own]
+            found = torch.autograd.grad(loss.sum(), [seen[name][0][1] for name in layers] + [own[n] for n in mine],
+                                        materialize_grads=True)
     finally:
         for hook in hooks:
             hook.remove()
-    grads: Params = {}
+    output_grads = found[:len(layers)]
+    grads: Params = dict(zip(mine, found[len(layers):], strict=True))
     convolutions = []
     for (name, layer), g in zip(layers.items(), output_grads, strict=True):
         a, g = seen[name][0][0].detach().unflatten(0, (clients, -1)), g.unflatten(0, (clients, -1))
@@ -92,4 +128,4 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, weights: 
 
     if convolutions:
         for_each_client(module, client, clients, x.device)
-    return {n: grads[n].to(weights[n].dtype) for n in trainable}, loss.detach(), metric
+    return {n: grads[n].to(params[n].dtype) for n in trainable}, loss.detach(), metric

@@ -43,9 +43,9 @@ def tiny(folder: Path, rounds: int = 2) -> Path:
 
 
 @pytest.fixture
-def child_env(tmp_path: Path) -> dict[str, str]:
+def child_env(tmp_path: Path, new_mlflow_store) -> dict[str, str]:
     """MLflow store and cache under tmp_path; the store and experiment exist before workers race to make them."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = new_mlflow_store(tmp_path)
     MlflowClient(uri).create_experiment("tiny")
     return {**os.environ, "MLFLOW_TRACKING_URI": uri, "FEDPILOT_CACHE": str(tmp_path / "cache")}
 

@@ -331,10 +331,11 @@ def test_a_plugin_cannot_replace_or_break_a_builtin(bad):
 
 @pytest.mark.parametrize(("override", "message"), BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_clashing_and_broken_plugins_fail_when_named_with_their_distribution(override, message, bad, workdir):
+    before = (workdir / "mlflow.db").read_bytes()  # the empty store
     code, output = cli("run", bad, override, "--no-progress")
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), output
-    assert not (workdir / "mlflow.db").exists() and not (workdir / "cache" / "stages").exists()
+    assert (workdir / "mlflow.db").read_bytes() == before and not (workdir / "cache" / "stages").exists()
 
 
 def test_the_api_imports_no_torch_and_the_builtin_algorithms_use_only_the_api():

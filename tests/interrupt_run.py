@@ -7,7 +7,7 @@ import sys
 
 from fedpilot.cli import app
 from fedpilot.engine import FederatedStage
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import RoundMetrics, Tracker
 
 STAGE, ROUND = int(os.environ["STOP_STAGE"]), int(os.environ["STOP_ROUND"])
 SIGNAL = signal.Signals[os.environ["STOP_SIGNAL"]]
@@ -22,4 +22,6 @@ def run_round(self, round_idx, chunk=None):
 
 FederatedStage.run_round = run_round
 Tracker.system_sampling_seconds = 0.1  # system metrics logged before the signal, to see them continue after it
+RoundMetrics.flush_seconds = 0.0  # each round written as it ends: the store holds rounds past the last checkpoint,
+# which the resumed run redoes and must not log again
 app(sys.argv[1:], prog_name="fedpilot")

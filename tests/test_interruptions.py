@@ -9,13 +9,14 @@ import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.pipeline import code_fingerprint
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import RoundMetrics, Tracker
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
@@ -86,6 +87,35 @@ def test_kill_9_then_resume_logs_every_metric_step_once_and_ends_identical(workd
     assert [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")] == list(range(1, 11))
     assert len(client.get_metric_history(parent, CPU)) > sampled  # system metrics went on, at new steps
     same_as_uninterrupted(workdir, monkeypatch, client, runs)
+
+
+def test_rounds_reach_the_store_together_and_all_before_a_checkpoint(workdir):
+    tracker = Tracker(os.environ["MLFLOW_TRACKING_URI"], "rounds")
+    run_id = tracker.client.create_run(tracker.experiment_id).info.run_id
+    rounds = RoundMetrics(tracker, run_id)
+    rounds.flush_seconds = 3600.0
+
+    def train(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            module = SimpleNamespace(round_log={"train_loss": 1 / step, "test_acc_mean": 0.5})
+            rounds.on_train_batch_end(SimpleNamespace(global_step=step), module, None, None, step - 1)
+
+    def steps() -> list[int]:
+        return [m.step for m in tracker.client.get_metric_history(run_id, "train_loss")]
+
+    train(1, 3)
+    assert steps() == []  # not yet written
+    rounds.on_save_checkpoint(None, None, {})
+    assert steps() == [1, 2, 3] and not tracker.client.get_metric_history(run_id, "test_acc_mean")
+    train(4, 5)
+    rounds.on_exception(None, None, RuntimeError("stopped"))
+    assert steps() == [1, 2, 3, 4, 5]
+    rounds.flush_seconds = 0.0  # due at every round
+    train(6, 6)
+    assert steps() == [1, 2, 3, 4, 5, 6]
+    history = tracker.client.get_metric_history(run_id, "train_loss")
+    assert [m.value for m in history] == pytest.approx([1 / s for s in range(1, 7)])
+    assert [m.timestamp for m in history] == sorted(m.timestamp for m in history)  # each round's own time
 
 
 def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, monkeypatch):

@@ -105,15 +105,40 @@ def close_orphans(uri: str, run_id: str, reason: str) -> None:
 
 
 class RoundMetrics(Callback):
-    """Logs each round's metrics (training stats, and validation when due) to a stage run; step = rounds done. The
-    test split, evaluated once at the stage's end, is logged with the stage's other once-per-stage values."""
+    """Logs each round's metrics (training stats, and validation when due) to a stage run; step = rounds done, time =
+    when the round ended. The test split, evaluated once at the stage's end, is logged with the stage's other
+    once-per-stage values.
+
+    Rounds reach the store together, at most `flush_seconds` apart (a write per round, ~17 ms on SQLite, was a third
+    of a small model's round), and always before a checkpoint is saved and when training ends or fails: a run
+    resumed from a checkpoint holds every round before it."""
+
+    flush_seconds = 1.0
 
     def __init__(self, tracker: Tracker, run_id: str):
         self.tracker, self.run_id = tracker, run_id
+        self.pending: list[Metric] = []
+        self.flushed_at = time.monotonic()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         metrics = {k: v for k, v in pl_module.round_log.items() if not k.startswith("test_")}
-        self.tracker.log_metrics(self.run_id, metrics, step=trainer.global_step)
+        self.pending += self.tracker.new_metrics(self.run_id, metrics, step=trainer.global_step)
+        if time.monotonic() - self.flushed_at >= self.flush_seconds:
+            self.flush()
+
+    def on_save_checkpoint(self, *args: Any) -> None:
+        self.flush()
+
+    def on_train_end(self, *args: Any) -> None:
+        self.flush()
+
+    def on_exception(self, *args: Any) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the rounds logged since the last flush."""
+        self.tracker.write_metrics(self.run_id, self.pending)
+        self.pending, self.flushed_at = [], time.monotonic()
 
 
 class Tracker:
@@ -186,9 +211,14 @@ class Tracker:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         """Finite `metrics` at `step`, stamped with the time they are logged (the UI's wall-time axis), each (key,
         step) once: steps a resumed run already holds are skipped."""
+        self.write_metrics(run_id, self.new_metrics(run_id, metrics, step))
+
+    def new_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> list[Metric]:
+        """`log_metrics`'s entries, stamped now, to write later (`write_metrics`)."""
         held, now = self._logged.get(run_id, {}), int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                 if np.isfinite(v) and step > held.get(k, -1)]
+        return [Metric(k, float(v), now, step) for k, v in metrics.items() if np.isfinite(v) and step > held.get(k, -1)]
+
+    def write_metrics(self, run_id: str, items: list[Metric]) -> None:
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
 

@@ -26,7 +26,7 @@ lint: install
 	$(BIN)/ruff check platform tests bench
 
 test: lint
-	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install  ## fedpilot vs peers, one table (peers' venvs set up on first use); BENCH_ARGS="--no-peers", "--device cuda"
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)

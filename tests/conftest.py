@@ -2,8 +2,8 @@
 Slurm cluster (tests/slurm.py).
 
 `make test` runs the files on parallel pytest-xdist workers, a whole file to a worker (`--dist loadfile`: module
-fixtures start once, one worker owns the Slurm cluster); the Slurm file and then the other files with `slow` tests
-go first so that none of them is left to run alone at the end."""
+fixtures start once, one worker owns the Slurm cluster) in the order set here (`--no-loadscope-reorder`: xdist
+would otherwise order the files by their number of tests, which put the few long end-to-end tests last)."""
 
 import shutil
 import sqlite3
@@ -20,9 +20,16 @@ pytest_plugins = ["postgres", "slurm"]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The Slurm tests first (they share one cluster, so one worker runs them all: the longest chain), then the
-    other files holding `slow` tests, then the rest, each in collection order."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.path.name != "test_slurm.py", item.path not in slow_files))
+    other files holding `slow` tests, then the rest, each in collection order; except that the fourth file is a
+    light one: xdist hands each of the (three) workers two files at the start, and the fourth waits behind the
+    Slurm file."""
+    files = list(dict.fromkeys(item.path for item in items))
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    heavy = sorted((f for f in files if f in slow), key=lambda f: f.name != "test_slurm.py")
+    light = [f for f in files if f not in slow]
+    order = heavy[:3] + light[:1] + heavy[3:] + light[1:]
+    rank = {f: i for i, f in enumerate(order)}
+    items.sort(key=lambda item: rank[item.path])
 
 
 @pytest.fixture(scope="session")

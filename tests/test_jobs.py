@@ -34,7 +34,8 @@ TINY = {
     "tracking": {"system_metrics": False, "plots": False},
     "stages": [{"name": "fedavg", "algorithm": "fedavg", "rounds": 2, "clients_per_round": 3}],
 }
-LONG = 150  # rounds of a job that must still be training when the test acts on it (~0.05 s a round)
+LONG = 250  # rounds of a job that must still be training when the test acts on it (20-50 ms a round; the test
+# sees a round up to a second after it ended: rounds reach the store at most 1 s apart)
 FAST = ["--poll-seconds", "0.2", "--heartbeat-seconds", "0.3", "--grace-seconds", "2"]
 
 

@@ -28,8 +28,8 @@ TINY = {**SMALL, "name": "tiny", "tracking": {"system_metrics": False, "plots": 
         "stages": [{**SMALL["stages"][0], "rounds": 3}]}
 SEARCH = {**TINY, "search": {"space": {"stages.0.local.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
                              "objective": {"metric": "val_acc_mean"}, "pruner": {"kind": "none"}}}
-# Long enough a stage to requeue or cancel it while it trains: a round takes 15 to 100 ms (its metrics logged
-# included), and the test sees the stage's third round some tenths of a second after it was logged. Each round is
+# Long enough a stage to requeue or cancel it while it trains: a round takes 15 to 100 ms, and the test sees the
+# stage's third round up to a second after it ended (rounds reach the store at most 1 s apart). Each round is
 # trained three times (the reference and two requeued jobs), so no longer than that.
 LONG_ROUNDS = 200
 LONG = {**SMALL, "tracking": {"system_metrics": False, "plots": False}, "evaluation": {"every": 10},

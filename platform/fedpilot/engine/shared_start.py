@@ -73,9 +73,8 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: P
     weights was not applied exactly once to the K * B samples."""
     clients, samples = x.shape[0], x.shape[0] * x.shape[1]
     apart = {n for n, p in params.items() if clients > 1 and p.stride(0) != 0}
-    owned = {name: [f"{name}.{p}" for p, _ in layer.named_parameters(recurse=False)]
-             for name, layer in module.named_modules()}
     modules = dict(module.named_modules())
+    owned = {name: [f"{name}.{p}" for p, _ in layer.named_parameters(recurse=False)] for name, layer in modules.items()}
     per_client = {name for name, names in owned.items() if apart.intersection(names)}
     if any(not isinstance(modules[name], nn.Linear) for name in per_client):
         return None

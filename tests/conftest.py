@@ -5,6 +5,7 @@ Slurm cluster (tests/slurm.py).
 fixtures start once, one worker owns the Slurm cluster) in the order set here (`--no-loadscope-reorder`: xdist
 would otherwise order the files by their number of tests, which put the few long end-to-end tests last)."""
 
+import os
 import shutil
 import sqlite3
 from collections.abc import Callable
@@ -14,6 +15,12 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow import MlflowClient
+
+# OpenMP threads waiting for work sleep instead of spinning: the suite runs more processes than cores (three
+# workers, the services and child processes they start), and spinning threads took the cores from the processes with
+# work to do (six of the heaviest files: 212-256 s with spinning, 118-134 s without). Set before any process here
+# loads torch's OpenMP runtime; the workers and every child process inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 pytest_plugins = ["postgres", "slurm"]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+import pytest
 import yaml
+from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 from fedpilot.cli import app
@@ -48,3 +50,23 @@ def run_id_of(output: str) -> str:
     lines = [line for line in output.splitlines() if line.startswith("run_id: ")]
     assert lines, output
     return lines[-1].split(": ", 1)[1].strip()
+
+
+FINAL_METRICS = ("test_acc_mean", "test_acc_p10", "val_acc_weighted")
+
+
+def final_metrics_of_a_clean_run(folder: Path, spec: dict) -> list[dict[str, float]]:
+    """Each stage's FINAL_METRICS after `fedpilot run` of `spec`, uninterrupted, in this process with a store and
+    cache of its own under `folder`: the reference an interrupted and resumed run must equal bit for bit."""
+    uri = f"sqlite:///{folder}/mlflow.db"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.setenv("FEDPILOT_CACHE", str(folder / "cache"))
+        code, output = cli("run", str(write_pipeline(folder, spec, "clean.yaml")), "--no-progress")
+    assert code == 0, output
+    client = MlflowClient(uri)
+    parent = client.get_run(run_id_of(output))
+    stages = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return [{key: run.data.metrics[key] for key in FINAL_METRICS}
+            for run in sorted(stages, key=lambda r: int(r.data.tags["fedpilot.stage_index"]))]

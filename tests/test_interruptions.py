@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from fedpilot.algorithms import build_algorithm
 from fedpilot.pipeline import code_fingerprint
 from fedpilot.tracking import RoundMetrics, Tracker
-from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from pipeline_fixtures import SMALL, cli, final_metrics_of_a_clean_run, run_id_of, write_pipeline
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
 
@@ -56,17 +56,19 @@ def the_parent(client: MlflowClient) -> str:
     return found[0].info.run_id
 
 
-def same_as_uninterrupted(workdir: Path, monkeypatch, client: MlflowClient, runs: list) -> None:
-    monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "fresh-cache"))
-    code, clean = cli("run", str(write_pipeline(workdir, {**LONGER, "tracking": {"system_metrics": False}})),
-                      "--no-progress")
-    assert code == 0, clean
-    for a, b in zip(runs[1:], runs_of(client, run_id_of(clean))[1:], strict=True):
-        for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted"):
-            assert a.data.metrics[key] == b.data.metrics[key], (a.info.run_name, key)  # bit-identical
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    """LONGER's final metrics when nothing stops it: both interrupted runs must end equal to it."""
+    return final_metrics_of_a_clean_run(tmp_path_factory.mktemp("uninterrupted"),
+                                        {**LONGER, "tracking": {"system_metrics": False}})
 
 
-def test_kill_9_then_resume_logs_every_metric_step_once_and_ends_identical(workdir, monkeypatch):
+def assert_same_as(uninterrupted: list[dict[str, float]], runs: list) -> None:
+    for run, clean in zip(runs[1:], uninterrupted, strict=True):
+        assert {key: run.data.metrics[key] for key in clean} == clean, run.info.run_name  # bit-identical
+
+
+def test_kill_9_then_resume_logs_every_metric_step_once_and_ends_identical(workdir, monkeypatch, uninterrupted):
     proc = interrupted(workdir, "SIGKILL", stage=1, round_idx=6)  # checkpoint at round 4: rounds 4, 5 run twice
     assert proc.returncode == -9, proc.stderr
     client = MlflowClient()
@@ -86,7 +88,7 @@ def test_kill_9_then_resume_logs_every_metric_step_once_and_ends_identical(workd
     assert_each_step_once(client, runs)
     assert [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")] == list(range(1, 11))
     assert len(client.get_metric_history(parent, CPU)) > sampled  # system metrics went on, at new steps
-    same_as_uninterrupted(workdir, monkeypatch, client, runs)
+    assert_same_as(uninterrupted, runs)
 
 
 def test_rounds_reach_the_store_together_and_all_before_a_checkpoint(workdir):
@@ -118,7 +120,7 @@ def test_rounds_reach_the_store_together_and_all_before_a_checkpoint(workdir):
     assert [m.timestamp for m in history] == sorted(m.timestamp for m in history)  # each round's own time
 
 
-def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, monkeypatch):
+def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, uninterrupted):
     proc = interrupted(workdir, "SIGTERM", stage=1, round_idx=6)
     assert proc.returncode == 128 + 15, proc.stderr
     assert "SIGTERM: stopping after this round" in proc.stderr and "run --resume" in proc.stderr
@@ -135,7 +137,7 @@ def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, monkeypatch
     runs = runs_of(client, parent)
     assert [r.info.status for r in runs] == ["FINISHED"] * 4
     assert_each_step_once(client, runs)
-    same_as_uninterrupted(workdir, monkeypatch, client, runs)
+    assert_same_as(uninterrupted, runs)
 
 
 def test_code_fingerprint_follows_the_code_of_a_model_and_an_algorithm(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """fedpilot on a real Slurm cluster (tests/slurm.py): a submitted pipeline runs there and its MLflow record is read
-back; a search over a 2-task job array finishes exactly the requested trials; `scontrol requeue` of a running job
-resumes it and ends identical to an uninterrupted run; `fedpilot cancel` ends a Slurm job; a scheduled search fires
-into Slurm; a bad Slurm option or an unreachable controller is exit 2 with nothing queued."""
+back; a search over a 2-task job array finishes exactly the requested trials; a job stopped by `scontrol requeue`,
+then by its time limit's signal, resumes each time and ends identical to an uninterrupted run; `fedpilot cancel`
+ends a Slurm job; a scheduled search fires into Slurm; a bad Slurm option or an unreachable controller is exit 2
+with nothing queued."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from mlflow import MlflowClient
 
 from fedpilot.db import connect
 from fedpilot.jobs.queue import list_jobs
-from pipeline_fixtures import SMALL, cli, write_pipeline
+from pipeline_fixtures import SMALL, cli, final_metrics_of_a_clean_run, write_pipeline
 from slurm import squeue
-from test_interruptions import assert_each_step_once, runs_of
+from test_interruptions import assert_each_step_once, assert_same_as, runs_of
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,9 @@ TINY = {**SMALL, "name": "tiny", "tracking": {"system_metrics": False, "plots": 
         "stages": [{**SMALL["stages"][0], "rounds": 3}]}
 SEARCH = {**TINY, "search": {"space": {"stages.0.local.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
                              "objective": {"metric": "val_acc_mean"}, "pruner": {"kind": "none"}}}
-# Long enough a stage to requeue or cancel it while it trains: a round takes 15 to 100 ms, and the test sees the
-# stage's third round up to a second after it ended (rounds reach the store at most 1 s apart). Each round is
-# trained three times (the reference and two requeued jobs), so no longer than that.
+# Long enough a stage to requeue (twice) or cancel it while it trains: a round takes 15 to 100 ms, and the test sees
+# a round up to a second after it ended (rounds reach the store at most 1 s apart). Each round is trained twice
+# (the reference and the requeued job), so no longer than that.
 LONG_ROUNDS = 200
 LONG = {**SMALL, "tracking": {"system_metrics": False, "plots": False}, "evaluation": {"every": 10},
         "stages": [{**SMALL["stages"][0], "rounds": 4}, {**SMALL["stages"][1], "rounds": LONG_ROUNDS},
@@ -108,66 +109,58 @@ def test_a_search_over_a_two_task_job_array_finishes_exactly_the_trials(slurm, w
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
-    """LONG run once in this process, in a store and cache of its own: each stage's final test and val metrics."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    uri = f"sqlite:///{folder}/mlflow.db"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(folder)
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        patch.setenv("FEDPILOT_CACHE", str(folder / "cache"))
-        code, output = cli("run", str(write_pipeline(folder, LONG, "long.yaml")), "--no-progress")
-    assert code == 0, output
-    runs = runs_of(MlflowClient(uri), output.strip().splitlines()[-1].split(": ")[1])
-    return [{key: run.data.metrics[key] for key in ("test_acc_mean", "test_acc_p10", "val_acc_weighted")}
-            for run in runs[1:]]
+    return final_metrics_of_a_clean_run(tmp_path_factory.mktemp("uninterrupted"), LONG)
 
 
-@pytest.mark.parametrize("interruption", ["scontrol requeue", "time limit"])
-def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir, uninterrupted, interruption):
-    """`scontrol requeue` (what preemption does too): SIGTERM, the run stops after its round with a checkpoint and
-    Slurm requeues the job. The time limit: Slurm's SIGUSR2 shortly before it (sent here by scancel --signal), the
-    run stops the same way and the job requeues itself. Either way it resumes in its own MLflow runs."""
+def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir, uninterrupted):
+    """Stopped twice in its second stage, then finished. First `scontrol requeue` (what preemption does too):
+    SIGTERM, the run stops after its round with a checkpoint and Slurm requeues the job. Then, once it has resumed,
+    the time limit: Slurm's SIGUSR2 shortly before it (sent here by scancel --signal), the run stops the same way
+    and the job requeues itself. Each attempt resumes in the same MLflow runs."""
     db = f"sqlite:///{workdir}/platform.db"
     [job_id] = sent("submit", str(write_pipeline(workdir, LONG, "long.yaml")), "--to", "slurm", "--time", "30",
                     "--db", db)
+    slurm_id = jobs(db)[job_id]["slurm_job_id"]  # requeued jobs keep their id
     client = MlflowClient()
 
-    def training_stage_1() -> bool:
+    def stage_rounds() -> int:
+        """Rounds of the second stage in the store."""
         row = jobs(db)[job_id]
-        if not row["run_id"]:
-            return False
-        runs = runs_of(client, row["run_id"])
-        return len(runs) > 2 and len(client.get_metric_history(runs[2].info.run_id, "round_time_s")) >= 3
+        runs = runs_of(client, row["run_id"]) if row["run_id"] else []
+        return len(client.get_metric_history(runs[2].info.run_id, "round_time_s")) if len(runs) > 2 else 0
 
-    wait_for(training_stage_1, what="the job to train its second stage", every=0.2)
-    slurm_id = jobs(db)[job_id]["slurm_job_id"]
-    signalled_at = time.time()
-    if interruption == "time limit":
-        subprocess.run(["scancel", "--signal=USR2", slurm_id], check=True)
-    else:
-        subprocess.run(["scontrol", "requeue", slurm_id], check=True)
-    # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start in 2 s. Not in the
-    # same second it was requeued: slurmd refuses that launch ("Job credential revoked", times in whole seconds).
-    wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
-    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now+2"], check=True)
+    def training_past(rounds: int) -> None:
+        wait_for(lambda: stage_rounds() >= rounds + 3, what=f"the job to train its second stage past round {rounds}",
+                 every=0.2)
+
+    signalled_at, stopped_at = [], 0
+    for interrupt in (["scontrol", "requeue"], ["scancel", "--signal=USR2"]):
+        training_past(stopped_at)
+        signalled_at.append(time.time())
+        subprocess.run([*interrupt, slurm_id], check=True)
+        # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start in 2 s. Not in
+        # the same second it was requeued: slurmd refuses that launch ("Job credential revoked", whole seconds).
+        wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
+        subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now+2"], check=True)
+        stopped_at = stage_rounds()
     row = ended(db, [job_id])[job_id]
     assert row["status"] == "succeeded", log_of(db, job_id)
     code, output = cli("jobs", "show", str(job_id), "--db", db, "--json")
     attempts = json.loads(output)["attempts_detail"]
-    # if this fails, did the signal come after the stage had trained? (metrics carry the time they were logged)
+    # if this fails, did a signal come after the stage had trained? (metrics carry the time they were logged)
     stage = runs_of(client, row["run_id"])[2].info.run_id
-    late = [m.step for m in client.get_metric_history(stage, "round_time_s") if m.timestamp <= 1000 * signalled_at]
-    assert [a["status"] for a in attempts] == ["stopped", "succeeded"], (
-        f"signalled after round {max(late, default=0)} of the stage", attempts, log_of(db, job_id))
-    assert attempts[0]["run_id"] == attempts[1]["run_id"] == row["run_id"]
-    assert ("SIGUSR2" if interruption == "time limit" else "SIGTERM") in attempts[0]["error"]
+    history = client.get_metric_history(stage, "round_time_s")
+    late = [max((m.step for m in history if m.timestamp <= 1000 * at), default=0) for at in signalled_at]
+    assert [a["status"] for a in attempts] == ["stopped", "stopped", "succeeded"], (
+        f"signalled after rounds {late} of the stage", attempts, log_of(db, job_id))
+    assert {a["run_id"] for a in attempts} == {row["run_id"]}
+    assert "SIGTERM" in attempts[0]["error"] and "SIGUSR2" in attempts[1]["error"], attempts
     runs = runs_of(client, row["run_id"])
     assert [r.info.status for r in runs] == ["FINISHED"] * 4
     assert_each_step_once(client, runs)
     steps = [m.step for m in client.get_metric_history(runs[2].info.run_id, "round_time_s")]
     assert steps == list(range(1, LONG_ROUNDS + 1))
-    for run, clean in zip(runs[1:], uninterrupted, strict=True):
-        assert {key: run.data.metrics[key] for key in clean} == clean, run.info.run_name  # bit-identical
+    assert_same_as(uninterrupted, runs)
 
 
 def test_fedpilot_cancel_ends_a_slurm_job(slurm, workdir):

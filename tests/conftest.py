@@ -18,8 +18,9 @@ from mlflow import MlflowClient
 
 # OpenMP threads waiting for work sleep instead of spinning: the suite runs more processes than cores (three
 # workers, the services and child processes they start), and spinning threads took the cores from the processes with
-# work to do (six of the heaviest files: 212-256 s with spinning, 118-134 s without). Set before any process here
-# loads torch's OpenMP runtime; the workers and every child process inherit it.
+# work to do (six of the heaviest files: 212-256 s with spinning, 118-134 s without). Importing fedpilot sets it too,
+# but a test module may load torch first: set here, before any process of the suite loads torch's OpenMP runtime;
+# the workers and every child process inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 pytest_plugins = ["postgres", "slurm"]

@@ -4,6 +4,7 @@ the stage table."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,15 @@ def test_stage_table_shows_clients_better_and_worse():
     lines = format_outcomes(stages, "acc").splitlines()
     assert lines[0] == "per-client test accuracy" and lines[1].split()[-2:] == ["better", "worse"]
     assert lines[3].split() == ["finetune", "hit", "0.790", "0.500", "4%", "8%"]
+
+
+def test_fedpilot_processes_let_waiting_openmp_threads_sleep_unless_the_environment_says_otherwise():
+    """OMP_WAIT_POLICY=PASSIVE is in the environment before torch loads its OpenMP runtime (importing fedpilot sets
+    it, and the `fedpilot` command imports fedpilot first); a value the user set is kept."""
+    show = "import os, sys, fedpilot.cli; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        child_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        proc = subprocess.run([sys.executable, "-c", show], env=child_env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == [expected, "False"]  # set before anything could load torch

@@ -7,12 +7,13 @@ the end-of-stage evaluation stays out of the timing.
 `--execution` picks the executor (auto = what the engine chooses; sequential = the test-only reference).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (fedpilot first: see below)
 
 import logging
 import sys
 from pathlib import Path
 
+import fedpilot  # noqa: F401  first, as in `fedpilot run`: its OpenMP wait policy is set before torch loads
 import lightning as L
 import numpy as np
 import torch

@@ -88,12 +88,6 @@ def fresh_postgres(postgres_url: str) -> str:
     return _create_database(postgres_url.rsplit("/", 1)[0], f"test_{os.getpid()}_{next(_databases)}")
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    """A fresh SQLite platform database file for this test."""
-    return f"sqlite:///{tmp_path / 'platform.db'}"
-
-
 @pytest.fixture(params=BACKENDS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh platform database for this test, once on SQLite and once on a real PostgreSQL server."""

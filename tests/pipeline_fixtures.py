@@ -52,6 +52,13 @@ def run_id_of(output: str) -> str:
     return lines[-1].split(": ", 1)[1].strip()
 
 
+def runs_of(client: MlflowClient, parent: str) -> list:
+    """The parent run and its stage runs, in stage order."""
+    experiment = client.get_run(parent).info.experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    return [client.get_run(parent), *sorted(children, key=lambda r: int(r.data.tags["fedpilot.stage_index"]))]
+
+
 FINAL_METRICS = ("test_acc_mean", "test_acc_p10", "val_acc_weighted")
 
 
@@ -65,8 +72,11 @@ def final_metrics_of_a_clean_run(folder: Path, spec: dict) -> list[dict[str, flo
         patch.setenv("FEDPILOT_CACHE", str(folder / "cache"))
         code, output = cli("run", str(write_pipeline(folder, spec, "clean.yaml")), "--no-progress")
     assert code == 0, output
-    client = MlflowClient(uri)
-    parent = client.get_run(run_id_of(output))
-    stages = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    return [{key: run.data.metrics[key] for key in FINAL_METRICS}
-            for run in sorted(stages, key=lambda r: int(r.data.tags["fedpilot.stage_index"]))]
+    return [{key: run.data.metrics[key] for key in FINAL_METRICS} for run in runs_of(MlflowClient(uri),
+                                                                                    run_id_of(output))[1:]]
+
+
+def assert_same_as(clean: list[dict[str, float]], runs: list) -> None:
+    """`runs` (a parent and its stages, `runs_of`) end with the metrics of `final_metrics_of_a_clean_run`."""
+    for run, metrics in zip(runs[1:], clean, strict=True):
+        assert {key: run.data.metrics[key] for key in metrics} == metrics, run.info.run_name  # bit-identical

@@ -17,7 +17,15 @@ from mlflow import MlflowClient
 from fedpilot.algorithms import build_algorithm
 from fedpilot.pipeline import code_fingerprint
 from fedpilot.tracking import RoundMetrics, Tracker
-from pipeline_fixtures import SMALL, cli, final_metrics_of_a_clean_run, run_id_of, write_pipeline
+from pipeline_fixtures import (
+    SMALL,
+    assert_same_as,
+    cli,
+    final_metrics_of_a_clean_run,
+    run_id_of,
+    runs_of,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
 
@@ -34,12 +42,6 @@ def interrupted(workdir: Path, signal_name: str, stage: int, round_idx: int) -> 
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(HERE / "interrupt_run.py"), "run", str(write_pipeline(workdir, LONGER)),
                            "--no-progress"], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
-
-
-def runs_of(client: MlflowClient, parent: str) -> list:
-    experiment = client.get_run(parent).info.experiment_id
-    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
-    return [client.get_run(parent), *sorted(children, key=lambda r: int(r.data.tags["fedpilot.stage_index"]))]
 
 
 def assert_each_step_once(client: MlflowClient, runs: list) -> None:
@@ -61,11 +63,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, fl
     """LONGER's final metrics when nothing stops it: both interrupted runs must end equal to it."""
     return final_metrics_of_a_clean_run(tmp_path_factory.mktemp("uninterrupted"),
                                         {**LONGER, "tracking": {"system_metrics": False}})
-
-
-def assert_same_as(uninterrupted: list[dict[str, float]], runs: list) -> None:
-    for run, clean in zip(runs[1:], uninterrupted, strict=True):
-        assert {key: run.data.metrics[key] for key in clean} == clean, run.info.run_name  # bit-identical
 
 
 def test_kill_9_then_resume_logs_every_metric_step_once_and_ends_identical(workdir, monkeypatch, uninterrupted):

@@ -19,9 +19,16 @@ from mlflow import MlflowClient
 
 from fedpilot.db import connect
 from fedpilot.jobs.queue import list_jobs
-from pipeline_fixtures import SMALL, cli, final_metrics_of_a_clean_run, write_pipeline
+from pipeline_fixtures import (
+    SMALL,
+    assert_same_as,
+    cli,
+    final_metrics_of_a_clean_run,
+    runs_of,
+    write_pipeline,
+)
 from slurm import squeue
-from test_interruptions import assert_each_step_once, assert_same_as, runs_of
+from test_interruptions import assert_each_step_once
 
 pytestmark = pytest.mark.slow
 

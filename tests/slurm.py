@@ -4,7 +4,8 @@ stopped by PID afterwards.
 Registered by `pytest_plugins` in tests/conftest.py. munged, slurmctld and slurmd run as root on free local ports
 with their key, state, spool, logs and `slurm.conf` in a temporary folder (`SLURM_CONF` points the client commands
 at it): the host is the only node (CPUs=2), `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`, no
-accounting (fedpilot asks squeue; `MinJobAge` keeps ended jobs there for the tests). Without the binaries the tests
+accounting (fedpilot asks squeue; `MinJobAge` keeps ended jobs there for the tests), and a requeued job waits
+`CRED_EXPIRE_S + 1` seconds (not Slurm's default two minutes) before it starts again. Without the binaries the tests
 skip on a developer machine and fail on CI (CI=true); `.ci/run` installs them.
 """
 
@@ -24,6 +25,10 @@ from pathlib import Path
 import pytest
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
+# Lifetime of a job's launch credential, which is also how long a requeued job waits before it may start again
+# (`begin_time = now + cred_expire + 1`, once its old processes have ended): 120 s by default, far longer than a
+# test should wait, and long enough on this cluster for slurmd to check a credential under a loaded machine.
+CRED_EXPIRE_S = 15
 
 
 def _free_port() -> int:
@@ -41,7 +46,7 @@ def _config(root: Path, host: str) -> str:
     return "\n".join([
         "ClusterName=fedpilot-test", f"SlurmctldHost={host}", f"SlurmctldPort={_free_port()}",
         f"SlurmdPort={_free_port()}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"AuthInfo=socket={root}/munge/munge.socket", "CredType=cred/munge", f"StateSaveLocation={root}/state",
+        f"AuthInfo=socket={root}/munge/munge.socket,cred_expire={CRED_EXPIRE_S}", "CredType=cred/munge", f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool", f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
         f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",

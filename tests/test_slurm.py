@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,13 +52,15 @@ def jobs(db: str) -> dict[int, dict]:
     return {row["id"]: row for row in json.loads(output)}
 
 
-def wait_for(predicate, timeout: float = 240, what: str = "condition", every: float = 0.5):
+def wait_for(predicate, timeout: float = 240, what: str = "condition", every: float = 0.5,
+             explain: Callable[[], str] = str):
+    """Poll `predicate` until it is true; on timeout, fail with `what` and what `explain` tells of the state."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{explain()}"
         time.sleep(every)
 
 
@@ -136,19 +139,23 @@ def test_a_requeued_job_resumes_identical_to_an_uninterrupted_run(slurm, workdir
         runs = runs_of(client, row["run_id"]) if row["run_id"] else []
         return len(client.get_metric_history(runs[2].info.run_id, "round_time_s")) if len(runs) > 2 else 0
 
+    def where_it_is() -> str:
+        """Slurm's view of the job, its log and the controller's, for a timeout's message."""
+        shown = subprocess.run(["scontrol", "show", "job", slurm_id], capture_output=True, text=True).stdout
+        controller = (Path(slurm["root"]) / "log" / "slurmctld.log").read_text()[-3000:]
+        return f"{shown}\n--- job log\n{log_of(db, job_id)[-3000:]}\n--- slurmctld.log\n{controller}"
+
     def training_past(rounds: int) -> None:
         wait_for(lambda: stage_rounds() >= rounds + 3, what=f"the job to train its second stage past round {rounds}",
-                 every=0.2)
+                 every=0.2, explain=where_it_is)
 
     signalled_at, stopped_at = [], 0
     for interrupt in (["scontrol", "requeue"], ["scancel", "--signal=USR2"]):
         training_past(stopped_at)
         signalled_at.append(time.time())
         subprocess.run([*interrupt, slurm_id], check=True)
-        # A requeued job waits ~2 minutes (its begin time) before it may start again: let it start in 2 s. Not in
-        # the same second it was requeued: slurmd refuses that launch ("Job credential revoked", whole seconds).
-        wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait")
-        subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now+2"], check=True)
+        # The requeued job waits CRED_EXPIRE_S + 1 seconds after its old processes end, then starts again
+        wait_for(lambda: squeue(slurm_id) == "PENDING", 60, "the requeued job to wait", explain=where_it_is)
         stopped_at = stage_rounds()
     row = ended(db, [job_id])[job_id]
     assert row["status"] == "succeeded", log_of(db, job_id)

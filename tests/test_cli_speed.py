@@ -1,7 +1,7 @@
 """The commands that answer at once (`validate`, `submit`, `jobs`, `schedule`, `data describe`) import neither torch
-nor Lightning nor MLflow (nor scikit-learn or Hugging Face `datasets` once the data is cached): each runs here in a
-fresh interpreter (`python -X importtime`, whose report names every
-module imported) with its cache, platform database and MLflow store in a temporary folder. Nothing here measures
+nor Lightning nor MLflow (nor scikit-learn or Hugging Face `datasets` once the data is cached), and neither do `run`
+and `search` refusing a bad input: each runs here in a fresh interpreter (`python -X importtime`, whose report names
+every module imported) with its cache, platform database and MLflow store in a temporary folder. Nothing here measures
 time (the README's CLI section and the issue's note give wall times); what keeps them short is what is imported."""
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def place(tmp_path: Path) -> dict[str, str]:
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
-def imported(env: dict[str, str], cwd: Path, *args: str) -> set[str]:
-    """The top-level packages `fedpilot ARGS` imports in a fresh interpreter (it must succeed)."""
+def imported(env: dict[str, str], cwd: Path, *args: str, code: int = 0, says: str = "") -> set[str]:
+    """The top-level packages `fedpilot ARGS` imports in a fresh interpreter; it must exit with `code` and print
+    `says`."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "fedpilot.cli", *args], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=300)
     report = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if line not in report)
+    output = proc.stdout + "\n".join(line for line in proc.stderr.splitlines() if line not in report)
+    assert proc.returncode == code and says in output, output
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in report}
 
 
@@ -54,3 +56,10 @@ def test_submit_jobs_and_schedules_import_no_torch_nor_lightning(place, tmp_path
     ]:
         assert imported(place, tmp_path, *command) & TRAINING == set(), command
 
+
+
+def test_run_and_search_refuse_a_bad_input_before_importing_torch(place, tmp_path):
+    """A typo fails in a second or two, not after the ten seconds of importing what trains."""
+    bad = "stages.1.local.lr=fast"
+    for command in [("run", QUICKSTART, bad), ("search", QUICKSTART, bad), ("run", QUICKSTART, "--resume", "abc")]:
+        assert imported(place, tmp_path, *command, code=2, says="error: ") & TRAINING == set(), command

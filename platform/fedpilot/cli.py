@@ -121,22 +121,25 @@ def run(
 
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
-    from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
     from fedpilot.settings import tracking_uri
     from fedpilot.spec import PipelineSpec, load_pipeline
-    from fedpilot.tracking import load_resumed_spec
 
-    quiet_lightning()
     try:
         if resume:
             if pipeline is not None or overrides:
                 raise SpecError("--resume", resume, "a resumed run uses its recorded pipeline; give no file or "
                                 "overrides")
+            from fedpilot.tracking import load_resumed_spec
+
             spec = PipelineSpec.from_dict(load_resumed_spec(resume, tracking_uri()))
         elif pipeline is None:
             raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
         else:
             spec = load_pipeline(pipeline, overrides or [])
+        # torch, Lightning and MLflow load only for a valid spec: a bad input is refused in a second or two
+        from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
+
+        quiet_lightning()
         runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress, use_cache=cache)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
@@ -208,13 +211,10 @@ def search(
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
     `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
     from fedpilot.names import check_name
-    from fedpilot.pipeline import prepare, quiet_lightning
+    from fedpilot.pipeline import prepare
     from fedpilot.settings import cache_root, platform_db_url
     from fedpilot.spec import load_pipeline
-    from fedpilot.tuning import Search, quiet_optuna
 
-    quiet_lightning()
-    quiet_optuna()
     if to is not None or parallel > 1:
         _search_elsewhere(pipeline, overrides, trials, storage, study, to, parallel,
                           {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time,
@@ -229,6 +229,12 @@ def search(
         if spec.search is None:
             raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
         prepare(spec, cache_dir or cache_root())  # every input check before the study and its MLflow run exist
+        # torch, Lightning and MLflow load once every input is checked
+        from fedpilot.pipeline import quiet_lightning
+        from fedpilot.tuning import Search, quiet_optuna
+
+        quiet_lightning()
+        quiet_optuna()
         runner = Search(spec, platform_db_url(storage), trials, study, cache_dir, heartbeat_seconds, typer.echo)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))

@@ -8,6 +8,7 @@ sums are added in another order). Upload bytes must be equal exactly: a slice co
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,12 +53,24 @@ def test_two_ddp_processes_train_each_algorithm_like_one(tmp_path):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), name
 
 
-def test_fedpilot_run_on_two_devices_records_once_and_equals_one_device(workdir):
+def test_fedpilot_run_on_two_devices_stopped_and_resumed_records_once_and_equals_one_device(workdir):
+    """SIGTERM reaches rank 1 alone in the second stage: both processes stop after the same round with a checkpoint;
+    `--resume` on two devices again ends equal to one device's uninterrupted run."""
     path = write_pipeline(workdir, {**SMALL, "device": "cpu"})
     single = PipelineRunner(load_pipeline(path, []), cache_dir=workdir / "one", progress=False).run()
     uri = f"sqlite:///{workdir}/ddp.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "FEDPILOT_CACHE": str(workdir / "two")}
-    proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", "run", str(path), "devices=2", "--no-progress"],
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "FEDPILOT_CACHE": str(workdir / "two"),
+           "STOP_STAGE": "1", "STOP_ROUND": "2", "STOP_SIGNAL": "SIGTERM", "STOP_RANK": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    stopped = subprocess.run([sys.executable, str(HERE / "interrupt_run.py"), "run", str(path), "devices=2",
+                              "--no-progress"], cwd=workdir, env=env, capture_output=True, text=True, timeout=400)
+    assert stopped.returncode == 128 + 15, stopped.stdout[-2000:] + stopped.stderr[-4000:]
+    assert "SIGTERM: stopping after this round" in stopped.stderr
+    parent_id = re.search(r"run --resume (\w+)", stopped.stderr).group(1)
+    client = MlflowClient(uri)
+    stage = client.search_runs([client.get_run(parent_id).info.experiment_id], "tags.`fedpilot.stage` = 'personalize'")
+    assert [m.step for m in client.get_metric_history(stage[0].info.run_id, "round_time_s")] == [1, 2, 3]
+    proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", "run", "--resume", parent_id, "--no-progress"],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("run_id: ") == 1 and "device cpu x2" in proc.stdout  # rank 1 printed nothing

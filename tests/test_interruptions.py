@@ -36,9 +36,12 @@ LONGER = {**SMALL, "tracking": {"system_metrics": True},
                      SMALL["stages"][2]], "evaluation": {"every": 4}}
 
 
-def interrupted(workdir: Path, signal_name: str, stage: int, round_idx: int) -> subprocess.CompletedProcess:
-    """`fedpilot run` of LONGER in a child that gets `signal_name` at the start of that round."""
+def interrupted(workdir: Path, signal_name: str, stage: int, round_idx: int,
+                when: str = "round_start") -> subprocess.CompletedProcess:
+    """`fedpilot run` of LONGER in a child that gets `signal_name` at the start of that round (`round_end`: at the
+    end of the round before, once the stop callback has looked at it)."""
     env = {**os.environ, "STOP_STAGE": str(stage), "STOP_ROUND": str(round_idx), "STOP_SIGNAL": signal_name,
+           "STOP_WHEN": when,
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(HERE / "interrupt_run.py"), "run", str(write_pipeline(workdir, LONGER)),
                            "--no-progress"], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
@@ -117,8 +120,9 @@ def test_rounds_reach_the_store_together_and_all_before_a_checkpoint(workdir):
     assert [m.timestamp for m in history] == sorted(m.timestamp for m in history)  # each round's own time
 
 
-def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, uninterrupted):
-    proc = interrupted(workdir, "SIGTERM", stage=1, round_idx=6)
+@pytest.mark.parametrize("when", ["round_start", "round_end"])
+def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, uninterrupted, when):
+    proc = interrupted(workdir, "SIGTERM", stage=1, round_idx=6, when=when)
     assert proc.returncode == 128 + 15, proc.stderr
     assert "SIGTERM: stopping after this round" in proc.stderr and "run --resume" in proc.stderr
     client = MlflowClient()

@@ -118,17 +118,19 @@ class PipelineRunner:
         the checkpoints are rank 0's."""
         previous_runs = self.tracker.stage_runs(resume) if resume else {}
         key, before = "", None
-        for i in range(len(self.spec.stages)):
-            stage, _, key = self._stage(i, key, before)
-            cached = self.cache.load(key)
-            if cached is not None:
-                stage.load_state_dict(cached["state"])
-            else:
-                last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
-                resuming = i in previous_runs and last is not None and last.is_file()
-                trainer = self._trainer(stage, self.root / "runs", [])  # saving goes to rank 0's folder
-                trainer.fit(stage, ckpt_path=str(last) if resuming else None)
-            before = stage
+        with stop_on_signals():  # a stop asked of any process stops them all after the same round
+            for i in range(len(self.spec.stages)):
+                stage, _, key = self._stage(i, key, before)
+                cached = self.cache.load(key)
+                if cached is not None:
+                    stage.load_state_dict(cached["state"])
+                else:
+                    last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
+                    resuming = i in previous_runs and last is not None and last.is_file()
+                    saving = self.root / "runs"  # rank 0 writes the checkpoints to its own folder
+                    trainer = self._trainer(stage, saving, [CheckpointOnStop(saving / "last.ckpt")])
+                    trainer.fit(stage, ckpt_path=str(last) if resuming else None)
+                before = stage
 
     def _checkpoints(self, parent: str, index: int) -> Path:
         """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains (under root/runs)."""

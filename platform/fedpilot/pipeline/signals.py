@@ -21,6 +21,16 @@ class Stopped(SystemExit):
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _STOP: dict[str, int] = {}  # the signal that asked the running pipeline to stop, if any
+_LISTENING = threading.Event()  # set while stop_on_signals' block runs
+
+
+def _ask(signum: int, frame: Any) -> None:
+    """The handler of the stop signals: remember the first, stop at once on a second Ctrl+C."""
+    if _STOP and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    _STOP.setdefault("signal", signum)  # the first reason stays (a time-limit warning, then Slurm's SIGTERM)
+    print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
+          "once)", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -31,30 +41,32 @@ def stop_on_signals() -> Iterator[None]:
         yield
         return
     _STOP.clear()
-
-    def ask(signum: int, frame: Any) -> None:
-        if _STOP and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        _STOP.setdefault("signal", signum)  # the first reason stays (a time-limit warning, then Slurm's SIGTERM)
-        print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
-              "once)", file=sys.stderr, flush=True)
-
-    previous = {s: signal.signal(s, ask) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, _ask) for s in STOP_SIGNALS}
+    _LISTENING.set()
     try:
         yield
     finally:
+        _LISTENING.clear()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
 class CheckpointOnStop(Callback):
-    """After a round, if a stop was asked (stop_on_signals): save the checkpoint `path` and stop (runs KILLED)."""
+    """After a round, if a stop was asked (stop_on_signals): save the checkpoint `path` and stop (runs KILLED). Under
+    DDP every process stops after the same round, as soon as any of them was asked (rank 0 writes the checkpoint)."""
 
     def __init__(self, path: Path):
         self.path = path
 
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        """The stop signals come here alone. Lightning installs a SIGTERM handler of its own as training starts
+        (beside this one); its loop then raises SIGTERMException, a SystemExit with exit code 0 and no checkpoint,
+        when the signal comes after this callback looked at the round but before the loop did."""
+        if _LISTENING.is_set() and threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, _ask)
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if _STOP:
+        if trainer.strategy.reduce_boolean_decision(bool(_STOP), all=False):
             trainer.save_checkpoint(self.path)
-            signum = _STOP["signal"]
-            raise Stopped(128 + signum)
+            raise Stopped(128 + _STOP.get("signal", signal.SIGTERM))

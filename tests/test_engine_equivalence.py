@@ -47,7 +47,7 @@ def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
     """The rule of thumb for work no stage has timed; a stage times these candidates on its first round."""
     cnn, cpu = TinyCNN(), torch.device("cpu")
     assert executor_candidates(cnn) == ["vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first"]
-    assert executor_candidates(TinyMLP()) == ["vmap", "vmap_autograd", "loop"]
+    assert executor_candidates(TinyMLP()) == ["vmap", "vmap_autograd", "loop", "bmm"]
     assert choose_execution("auto", cnn, cpu) == "loop"
     assert choose_execution("auto", cnn.head, cpu) == "vmap"  # head-only phases run on trunk features
     assert choose_execution("auto", TinyMLP(), cpu) == "vmap"

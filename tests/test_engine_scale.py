@@ -129,7 +129,7 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
 
     auto = make("auto")
     fit(auto)
-    assert set(auto.executor_seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd", "loop"}
+    assert set(auto.executor_seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd", "loop", "bmm"}
     assert auto.execution == min(auto.executor_seconds, key=auto.executor_seconds.get)
     pinned = make(auto.execution)
     fit(pinned)

@@ -30,7 +30,7 @@ from fedpilot.models.split import ParamSplit
 
 HEAD = ["head.weight", "head.bias"]  # TinyMLP's output layer
 INPUT = ["body.1.weight", "body.1.bias"]  # TinyMLP's input layer
-EXECUTIONS = (("vmap", 7), ("vmap_autograd", 3), ("loop", 2))  # (executor, clients per chunk) compared with sequential
+EXECUTIONS = (("vmap", 7), ("vmap_autograd", 3), ("loop", 2), ("bmm", 5))  # (executor, clients per chunk) compared with sequential
 
 
 class ToyData(ClientData):

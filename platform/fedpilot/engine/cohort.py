@@ -17,6 +17,7 @@ from fedpilot.engine.data import ClientData
 from fedpilot.engine.local import (
     BatchedFirstStepExecutor,
     Batches,
+    BmmExecutor,
     ChannelsLastLoopExecutor,
     LoopExecutor,
     Params,
@@ -36,7 +37,8 @@ Part = Literal["personal", "shared", "all"]
 Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
 EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
                               "loop_channels_last": ChannelsLastLoopExecutor,
-                              "loop_batched_first": BatchedFirstStepExecutor, "sequential": SequentialExecutor}
+                              "loop_batched_first": BatchedFirstStepExecutor, "bmm": BmmExecutor,
+                              "sequential": SequentialExecutor}
 
 
 @dataclass

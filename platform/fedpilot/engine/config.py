@@ -108,7 +108,8 @@ class StageConfig(Strict):
     eval_every: int = Field(10, ge=1)
     eval_clients: int | None = Field(None, ge=1)  # evaluated during training (a seeded sample); all at the end
     max_parallel_clients: int = Field(256, ge=1)
-    execution: Literal["auto", "vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first"] = "auto"
+    execution: Literal["auto", "vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first",
+                       "bmm"] = "auto"
     host_memory_budget: Bytes | None = None  # per-client rows kept in memory; more: a file
     device_data_budget: Bytes | None = None  # client data on the device; more: gathered per round
     precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

@@ -5,7 +5,8 @@ batch plan: `VmapExecutor` with torch.func.vmap over clients (`VmapAutogradExecu
 autograd for the backward), `LoopExecutor` client by client with eager
 autograd (faster for convolutions on CPU, where vmap becomes a slow grouped convolution), one client per
 CPU core at a time; `BatchedFirstStepExecutor` the loop after a first step batched over clients that start from
-the same weights (engine/shared_start.py).
+the same weights (engine/shared_start.py); `BmmExecutor` models of Linear layers as batched matrix products in their
+traced graph, with SGD fused into the weight gradients (engine/linear_graph.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from fedpilot.engine.linear_graph import NotBatched, linear_graph, output_grads, sgd_, weight_grads
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.protocol import Algorithm
@@ -72,10 +74,15 @@ class StepRule:
                 g.add_(p * _per_client(active.to(p.dtype), p), alpha=self.weight_decay)
             p.sub_(g, alpha=self.lr[n])
 
+    @property
+    def plain(self) -> bool:
+        """Plain SGD: no clipping, weight decay or pull to a reference."""
+        return self.clip_norm is None and not self.weight_decay and not self.prox
+
     def stepped(self, start: Params, grads: Params, active: torch.Tensor) -> Params:
         """One step from `start` [K, ...] (broadcast rows allowed) into new tensors, consuming `grads`: plain SGD of
         all clients writes into the gradients' memory in one pass, anything else steps a copy of `start`."""
-        if self.clip_norm is None and not self.weight_decay and not self.prox and bool(active.all()):
+        if self.plain and bool(active.all()):
             return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g) for n, g in grads.items()}
         params = {n: p.clone(memory_format=torch.contiguous_format) for n, p in start.items()}
         self.apply_(params, grads, active)
@@ -220,18 +227,29 @@ class VmapExecutor(Executor):
         return vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
                     randomness="different")
 
+    def stepper(self, module: nn.Module, rule: StepRule) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """step(trainable, frozen, fixed, x, y, w, active): one step of `rule` in place on every client's `trainable`
+        [K, ...], returning each client's (loss, metric) [K]."""
+        step_grad = self.step_grad(module)
+
+        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w, active):
+            grads, (loss, metric) = step_grad(trainable, frozen, fixed, x, y, w)
+            rule.apply_(trainable, grads, active)
+            return loss, metric
+
+        return step
+
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
-        step_grad = self.step_grad(module)
+        step = self.stepper(module, rule)
         trainable = {n: p.clone() for n, p in trainable.items()}
         for s in range(batches.index.shape[1]):
             active = batches.active[:, s]
             if not bool(active.any()):
                 continue
             x = batches.inputs(slice(None), s)
-            grads, (loss, acc) = step_grad(trainable, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s])
-            rule.apply_(trainable, grads, active)
+            loss, acc = step(trainable, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s], active)
             stats.add(loss, acc, active)
         return trainable
 
@@ -262,6 +280,48 @@ class VmapAutogradExecutor(VmapExecutor):
 
     def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
         return clients_grad(module, self.forward, self.task)
+
+
+class BmmExecutor(VmapAutogradExecutor):
+    """Models made of Linear layers: every client's layers as batched matrix products in the model's traced graph,
+    plain SGD fused into the weight gradients (engine/linear_graph.py); steps the graph does not cover (another
+    forward, a model it does not apply to) as `vmap_autograd`. A candidate the stage times."""
+
+    name = "bmm"
+
+    def graph(self, module: nn.Module) -> Callable | None:
+        return linear_graph(module) if models_own(self.forward) else None
+
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+        graph, vmapped = self.graph(module), super().step_grad
+        if graph is None:
+            return vmapped(module)
+
+        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+            try:
+                seen, loss, metric = output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable),
+                                                  x, y, w)
+            except NotBatched:
+                return vmapped(module)(trainable, frozen, fixed, x, y, w)
+            return weight_grads(seen, trainable), (loss, metric)
+
+        return step
+
+    def stepper(self, module: nn.Module, rule: StepRule) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        graph, gradient_step = self.graph(module), super().stepper(module, rule)
+        if graph is None or not rule.plain:
+            return gradient_step
+
+        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w, active):
+            try:
+                seen, loss, metric = output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable),
+                                                  x, y, w)
+            except NotBatched:
+                return gradient_step(trainable, frozen, fixed, x, y, w, active)
+            sgd_(seen, trainable, rule.lr, active)
+            return loss, metric
+
+        return step
 
 
 def _own_version(t: torch.Tensor) -> torch.Tensor:
@@ -370,17 +430,19 @@ class BatchedFirstStepExecutor(LoopExecutor):
         return self.steps_from(1, module, trained, trained, frozen, fixed, batches, rule, stats)
 
 
-VMAPPED = ("vmap", "vmap_autograd")  # executors whose forward passes run vmapped over clients (as evaluation's do)
+# executors whose forward passes run batched over clients (evaluation vmaps the clients for them)
+VMAPPED = ("vmap", "vmap_autograd", "bmm")
 
 
 def executor_candidates(module: nn.Module) -> list[str]:
     """The executors a stage times on its first round: the loop, the two vmaps unless the model has recurrent layers
-    (torch.func cannot vmap the fused RNN kernels); with 2-d convolutions the channels-last loop, and the loop with a
-    batched first step where the model allows it (`shared_start.batchable`)."""
+    (torch.func cannot vmap the fused RNN kernels); for a model of Linear layers `bmm` (`linear_graph` applies); with
+    2-d convolutions the channels-last loop, and the loop with a batched first step where the model allows it
+    (`shared_start.batchable`)."""
     kinds = {type(m) for m in module.modules()}
     if any(issubclass(k, nn.RNNBase) for k in kinds):
         return ["loop"]
-    candidates = ["vmap", "vmap_autograd", "loop"]
+    candidates = ["vmap", "vmap_autograd", "loop", *(["bmm"] if linear_graph(module) is not None else [])]
     if any(issubclass(k, nn.Conv2d) for k in kinds):
         candidates += ["loop_channels_last", *(["loop_batched_first"] if batchable(module) else [])]
     return candidates

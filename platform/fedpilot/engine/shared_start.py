@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.func import vmap
 
 from fedpilot.engine.task import Task
 from fedpilot.engine.threads import for_each_client
@@ -97,7 +96,7 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: P
                   **fixed}
         with torch.enable_grad():
             output = forward(module, leaves, x.flatten(0, 1))
-            loss, metric = vmap(task.loss)(output.unflatten(0, (clients, -1)), y, w)
+            loss, metric = task.client_losses(output.unflatten(0, (clients, -1)), y, w)
             if any(len(io) != 1 or io[0][0].shape[0] != samples for io in seen.values()):
                 return None
             mine = [n for n in trainable if n in own]

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.func import vmap
 
 Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over a sample's units, number of units)
 
@@ -41,6 +42,22 @@ class Task(ABC):
         """(training loss, train_metric) of a batch: means over the units of the samples with weight 1."""
         scores = self.scores(output, y)
         return _mean(*scores[self.loss_metric], w), _mean(*scores[self.train_metric], w).detach()
+
+    def client_losses(self, output: torch.Tensor, y: torch.Tensor,
+                      w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss` of K clients at once, each on its own batch (output, y and w with the clients first: [K, B, ...]):
+        their losses and train metrics [K]. A task whose `loss` is its own has it vmapped over the clients."""
+        if type(self).loss is not Task.loss:
+            return vmap(self.loss)(output, y, w)
+        scores = self.scores(output.flatten(0, 1), y.flatten(0, 1))
+        weights = w.flatten()
+
+        def means(metric: str) -> torch.Tensor:
+            total, units = scores[metric]
+            return ((total * weights).view(w.shape).sum(1)
+                    / (units * weights).view(w.shape).sum(1).clamp_min(1.0))
+
+        return means(self.loss_metric), means(self.train_metric).detach()
 
 
 def _mean(total: torch.Tensor, units: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

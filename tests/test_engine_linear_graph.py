@@ -11,7 +11,7 @@ from torch import nn
 from engine_fixtures import TinyCNN, TinyMLP
 from fedpilot.engine import LocalConfig
 from fedpilot.engine.cohort import plain_forward
-from fedpilot.engine.linear_graph import linear_graph
+from fedpilot.engine.linear_graph import Tape, linear_graph
 from fedpilot.engine.local import BmmExecutor, StepRule, VmapAutogradExecutor, executor_candidates
 from fedpilot.engine.task import CLASSIFICATION, NextToken, Regression, Task, make_task
 from fedpilot.testing import HEAD, INPUT, assert_matches_sequential, run_stage
@@ -91,6 +91,22 @@ def test_which_models_bmm_applies_to():
     assert linear_graph(nn.Linear(3, 2)) is not None  # a head alone (head-only phases)
     for model in (TinyCNN(), Normed(), Branches()):  # convolution, LayerNorm, control flow on values
         assert linear_graph(model) is None and "bmm" not in executor_candidates(model)
+
+
+def test_the_graph_follows_modules_added_to_the_model():
+    """An algorithm may add modules to the model between stages (adapters): the graph is traced again."""
+    torch.manual_seed(0)
+    model, x = TinyMLP(), torch.randn(3, 5, 16)
+    before = linear_graph(model)
+    model.body.append(nn.Linear(24, 24))
+    after = linear_graph(model)
+    assert after is not before
+    params = {n: p.detach().expand(3, *p.shape) for n, p in model.named_parameters()}
+    tape = Tape(3, 15, set())
+    with torch.no_grad():
+        torch.testing.assert_close(after(x.flatten(0, 1), params, tape), model(x.flatten(0, 1)))
+    model.body.append(nn.LayerNorm(24))
+    assert linear_graph(model) is None
 
 
 @pytest.mark.parametrize("model", [BatchSecond, Tied], ids=["samples-not-first", "layer-twice"])

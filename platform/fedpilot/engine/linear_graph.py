@@ -69,15 +69,17 @@ def client_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-_GRAPHS: weakref.WeakKeyDictionary[nn.Module, Graph | None] = weakref.WeakKeyDictionary()
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Graph | None]] = weakref.WeakKeyDictionary()
 
 
 def linear_graph(module: nn.Module) -> Graph | None:
     """`module`'s forward as graph(x, params, tape) with its Linear layers as `client_linear`; None where it does
-    not apply (see the module's docstring). Built once per module."""
-    if module not in _GRAPHS:
-        _GRAPHS[module] = _build(module)
-    return _GRAPHS[module]
+    not apply (see the module's docstring). Built once per module and layout of submodules (an algorithm may add
+    modules to the model between stages: adapters, gates)."""
+    layout = tuple((name, id(m)) for name, m in module.named_modules())
+    if module not in _GRAPHS or _GRAPHS[module][0] != layout:
+        _GRAPHS[module] = (layout, _build(module))
+    return _GRAPHS[module][1]
 
 
 def _build(module: nn.Module) -> Graph | None:

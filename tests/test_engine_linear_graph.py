@@ -1,6 +1,7 @@
 """The `bmm` executor: models of Linear layers stepped as batched matrix products in their traced graph, with plain
 SGD fused into the weight gradients (engine/linear_graph.py). It must reach the sequential reference's weights, run
-its own path where it applies, and hand everything else to vmap with the same results."""
+its own path where it applies, and hand everything else to vmap with the same results. The per-client loop fuses the
+same update into its Linear layers' gradients, client by client."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine_fixtures import TinyCNN, TinyMLP
+from engine_fixtures import TinyCNN, TinyMLP, ToyData
 from fedpilot.engine import LocalConfig
+from fedpilot.engine import local as engine_local
 from fedpilot.engine.cohort import plain_forward
 from fedpilot.engine.linear_graph import Tape, linear_graph
 from fedpilot.engine.local import BmmExecutor, StepRule, VmapAutogradExecutor, executor_candidates
@@ -75,15 +77,44 @@ class Normed(TinyMLP):
         self.body.append(nn.LayerNorm(24))
 
 
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.relu(self.inner(x)))
+
+
 class Tied(nn.Module):
-    """One Linear layer applied twice."""
+    """One Linear layer applied twice (in the body; the head as the zoo's models have it)."""
 
     def __init__(self):
         super().__init__()
-        self.inner, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.body, self.head = Twice(), nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.inner(torch.relu(self.inner(x))))
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("model", [TinyMLP, TinyCNN, Tied], ids=["mlp", "cnn", "layer-twice"])
+def test_the_loops_fused_linear_steps_match_sequential(model, monkeypatch):
+    """The loop's plain SGD steps each trained Linear layer from its output gradient (W -= lr G^T A); a layer that
+    runs twice takes its weight gradient the usual way."""
+    fused: list[str] = []
+    real = engine_local.sgd_
+
+    def recorded(outputs, *args):
+        fused.extend(outputs)
+        return real(outputs, *args)
+
+    monkeypatch.setattr(engine_local, "sgd_", recorded)
+    data = ToyData(image=True) if model is TinyCNN else ToyData()
+    personal = ["body.0.weight", "body.0.bias"] if model is TinyCNN else HEAD
+    executions = (("loop", 3), ("loop_channels_last", 4), ("loop_batched_first", 5)) if model is TinyCNN else (
+        ("loop", 3),)
+    assert_matches_sequential("fedalt", personal, local=PLAIN_SGD, model=model, data=data, executions=executions)
+    assert fused and "body.inner" not in fused  # a head alone (its layer ""), the body's Linear layers
 
 
 def test_which_models_bmm_applies_to():

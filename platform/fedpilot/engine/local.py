@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedpilot.engine.linear_graph import NotBatched, linear_graph, output_grads, sgd_, weight_grads
+from fedpilot.engine.linear_graph import NotBatched, layer_of, linear_graph, output_grads, sgd_, weight_grads
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.protocol import Algorithm
@@ -178,16 +178,76 @@ def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..
 def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
                       layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
     """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
-
-    forward = with_measured_pooling(forward) if has_2d_maps(module) else forward
+    run = eager_client_pass(module, forward, task, layout)
 
     def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
-        leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
-        others = {n: layout(p) for n, p in {**frozen, **fixed}.items()}
-        with torch.enable_grad():
-            value, metric = task.loss(forward(module, {**leaves, **others}, layout(x)), y, w)
-            grads = torch.autograd.grad(value, list(leaves.values()))
-        return dict(zip(leaves, grads, strict=True)), (value.detach(), metric)
+        grads, _, loss, metric = run(trainable, {}, frozen, fixed, x, y, w)
+        return grads, (loss, metric)
+
+    return step
+
+
+def eager_client_pass(module: nn.Module, forward: Forward, task: Task,
+                      layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple]:
+    """run(trainable, through, frozen, fixed, x, y, w) of one client with plain autograd, parameters and inputs in
+    `layout`: the gradients of the `trainable` parameters; for each Linear layer whose parameters are in `through`
+    (applied, not differentiated), its input A and the gradient at its output G, as linear_graph gives them ([1, n,
+    in], [1, n, out]); the loss and metric. Raises NotBatched when such a layer runs more than once."""
+    forward = with_measured_pooling(forward) if has_2d_maps(module) else forward
+    modules = dict(module.named_modules())
+
+    def run(trainable: Params, through: Params, frozen: Params, fixed: Params, x, y, w):
+        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def record(layer: str) -> Callable:
+            def hook(_: nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if layer in seen:
+                    raise NotBatched(layer)
+                if not out.requires_grad:  # nothing trained before it: the gradients start here
+                    out.requires_grad_()
+                seen[layer] = (args[0], out)
+            return hook
+
+        hooks = [modules[layer].register_forward_hook(record(layer)) for layer in {layer_of(n) for n in through}]
+        try:
+            leaves = {n: layout(p).detach().requires_grad_() for n, p in trainable.items()}
+            others = {n: layout(p) for n, p in {**through, **frozen, **fixed}.items()}
+            with torch.enable_grad():
+                value, metric = task.loss(forward(module, {**leaves, **others}, layout(x)), y, w)
+                found = torch.autograd.grad(value, [*leaves.values(), *(out for _, out in seen.values())],
+                                            allow_unused=True, materialize_grads=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        grads = dict(zip(leaves, found[: len(leaves)], strict=True))
+        outputs = {layer: (a.detach().reshape(1, -1, a.shape[-1]), g.reshape(1, -1, g.shape[-1]))
+                   for (layer, (a, _)), g in zip(seen.items(), found[len(leaves):], strict=True)}
+        return grads, outputs, value.detach(), metric
+
+    return run
+
+
+def eager_client_stepper(module: nn.Module, forward: Forward, task: Task,
+                         layout: Callable[[torch.Tensor], torch.Tensor], rule: StepRule) -> Callable[..., tuple]:
+    """step(mine, frozen, fixed, x, y, w, active): one step of `rule` in place on one client's parameters `mine`
+    ([1, ...] rows of the cohort's buffers), with its (loss, metric). Plain SGD under the model's own forward updates
+    each trained Linear layer as W -= lr G^T A, with no weight gradient in memory (as `bmm` does for all clients);
+    everything else steps its gradient."""
+    run = eager_client_pass(module, forward, task, layout)
+    linears = {name for name, m in module.named_modules() if isinstance(m, nn.Linear)} if (
+        rule.plain and models_own(forward)) else set()
+
+    def step(mine: Params, frozen: Params, fixed: Params, x, y, w, active):
+        own = {n: _own_version(p[0]) for n, p in mine.items()}
+        through = {n: p for n, p in own.items() if layer_of(n) in linears}
+        try:
+            grads, outputs, loss, metric = run({n: p for n, p in own.items() if n not in through}, through, frozen,
+                                               fixed, x, y, w)
+        except NotBatched:  # a Linear layer run twice: every gradient the usual way
+            grads, outputs, loss, metric = run(own, {}, frozen, fixed, x, y, w)
+        rule.apply_({n: mine[n] for n in grads}, {n: g.unsqueeze(0) for n, g in grads.items()}, active)
+        sgd_(outputs, mine, rule.lr, active)
+        return loss, metric
 
     return step
 
@@ -354,15 +414,12 @@ class LoopExecutor(Executor):
         `trained` itself), into its row of `trained`."""
 
         def client(k: int, module: nn.Module) -> None:
-            step_grad = eager_client_grad(module, self.forward, self.task, self.layout)
+            step = eager_client_stepper(module, self.forward, self.task, self.layout, rule.for_client(k, start))
             mine = {n: p[k : k + 1].copy_(start[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
-            my_rule = rule.for_client(k, start)
             for s in (torch.nonzero(batches.active[k, first:]).flatten() + first).tolist():
-                x = batches.inputs(k, s)
-                g, (loss, acc) = step_grad({n: _own_version(p[0]) for n, p in mine.items()}, my_frozen, fixed, x,
-                                           batches.labels[k, s], batches.weight[k, s])
-                my_rule.apply_(mine, {n: v.unsqueeze(0) for n, v in g.items()}, batches.active[k, s : s + 1])
+                loss, acc = step(mine, my_frozen, fixed, batches.inputs(k, s), batches.labels[k, s],
+                                 batches.weight[k, s], batches.active[k, s : s + 1])
                 stats.loss[k] += loss
                 stats.metric[k] += acc.detach()
                 stats.steps[k] += 1

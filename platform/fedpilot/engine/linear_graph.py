@@ -56,8 +56,10 @@ def client_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise NotBatched(layer)
     a = x.reshape(tape.clients, -1, x.shape[-1])
     if weight.dim() == 2:
-        out = F.linear(a, weight, bias if bias is None or bias.dim() == 1 else None)
-        out = out if bias is None or bias.dim() == 1 else out + bias.unsqueeze(1)
+        shared_bias = bias is None or bias.dim() == 1
+        out = F.linear(a, weight, bias if shared_bias else None)
+        if not shared_bias:
+            out = out + bias.unsqueeze(1)
     elif bias is None:
         out = torch.bmm(a, weight.transpose(1, 2))
     else:

@@ -352,6 +352,10 @@ class BmmExecutor(VmapAutogradExecutor):
     def graph(self, module: nn.Module) -> Callable | None:
         return linear_graph(module) if models_own(self.forward) else None
 
+    def outputs(self, graph: Callable, trainable: Params, frozen: Params, fixed: Params, x, y, w) -> tuple:
+        """The trained layers' inputs and output gradients, and the clients' (loss, metric), of one pass."""
+        return output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable), x, y, w)
+
     def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
         graph, vmapped = self.graph(module), super().step_grad
         if graph is None:
@@ -359,8 +363,7 @@ class BmmExecutor(VmapAutogradExecutor):
 
         def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
             try:
-                seen, loss, metric = output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable),
-                                                  x, y, w)
+                seen, loss, metric = self.outputs(graph, trainable, frozen, fixed, x, y, w)
             except NotBatched:
                 return vmapped(module)(trainable, frozen, fixed, x, y, w)
             return weight_grads(seen, trainable), (loss, metric)
@@ -374,8 +377,7 @@ class BmmExecutor(VmapAutogradExecutor):
 
         def step(trainable: Params, frozen: Params, fixed: Params, x, y, w, active):
             try:
-                seen, loss, metric = output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable),
-                                                  x, y, w)
+                seen, loss, metric = self.outputs(graph, trainable, frozen, fixed, x, y, w)
             except NotBatched:
                 return gradient_step(trainable, frozen, fixed, x, y, w, active)
             sgd_(seen, trainable, rule.lr, active)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 
@@ -136,3 +137,15 @@ def test_cached_arrays_are_mapped_for_random_access(tmp_path):
     data = digits(tmp_path, kind="iid", clients=5)
     flags = mapping_flags(Path(data.x.filename).resolve())
     assert flags and all("rr" in f for f in flags)  # MADV_RANDOM: no read-around of megabytes per fault
+
+
+def test_normalize_augmentation_of_a_constant_channel_centres_it(tmp_path):
+    images = np.random.default_rng(0).random((40, 2, 4, 4))
+    images[:, 0] = 0.5
+    path = tmp_path / "flat.parquet"
+    table = datasets.Dataset.from_dict({"img": images.tolist(), "y": [i % 2 for i in range(40)]})
+    table.to_parquet(str(path))
+    spec = {"source": {"kind": "hf", "path": str(path), "feature": "img", "label": "y"},
+            "partition": {"kind": "iid", "clients": 2}, "augment": ["normalize"]}
+    data = build_federated_data(DatasetSpec.from_dict(spec), 0, tmp_path / "cache")
+    assert data.mean[0] == pytest.approx(0.5) and data.std[0] == 1e-6 and 0.2 < data.std[1] < 0.4

@@ -61,6 +61,13 @@ def test_synthetic_seed_and_natural_clients(tmp_path):
     assert data.n_clients == 30 and data.client_names == [str(i) for i in range(30)]
 
 
+@pytest.mark.parametrize("extreme", [{"mean_size": 800}, {"sigma": 1e300}])
+def test_synthetic_sizes_of_extreme_lognormals_stay_within_50_and_max_size(extreme):
+    raw = synthetic(SyntheticSource(n_clients=20, dim=3, max_size=300, **extreme), seed=0)
+    sizes = np.bincount(raw.groups)
+    assert len(sizes) == 20 and sizes.min() >= 50 and sizes.max() <= 300 and len(raw.x) == sizes.sum()
+
+
 def test_digits_source():
     raw = digits()
     assert raw.x.shape == (1797, 1, 8, 8) and raw.feature_shape == (1, 8, 8) and raw.class_names == 10

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -31,6 +32,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def at_most(limit: float, why: str) -> AfterValidator:
+    """An upper bound that a library or a number type sets: its error says the bound and why."""
+    def check(value: float) -> float:
+        if value > limit:
+            raise ValueError(f"must be at most {limit} ({why})")
+        return value
+
+    return AfterValidator(check)
+
+
+# a plugin source gets the dataset's seed: one that every library takes
+Seed = Annotated[int, Field(ge=0),
+                 at_most(2**32 - 1, "numpy's RandomState and scikit-learn take no larger seed")]
+Scale = Annotated[float, Field(ge=0),
+                  at_most(1e30, "larger normal scales make float32 features or float64 logits overflow")]
+
+
 class SyntheticSource(Strict):
     """LEAF/FedProx Synthetic(alpha, beta) (Li et al. 2020): client-specific logistic models.
 
@@ -44,12 +62,13 @@ class SyntheticSource(Strict):
     n_clients: int = Field(100, ge=1)
     dim: int = Field(60, ge=1)
     classes: int = Field(10, ge=2)
-    alpha: float = Field(1.0, ge=0)
-    beta: float = Field(1.0, ge=0)
+    alpha: Scale = 1.0
+    beta: Scale = 1.0
     mean_size: float = 4.0
     sigma: float = Field(2.0, ge=0)
-    max_size: int = Field(2000, ge=1)
-    seed: int | None = None
+    max_size: Annotated[int, Field(ge=1),
+                        at_most(2**53, "sizes are drawn as float64, exact for integers to 2**53")] = 2000
+    seed: Seed | None = None
 
 
 class DigitsSource(Strict):
@@ -153,7 +172,8 @@ class TextSpec(Strict):
     """
 
     tokenizer: str = "word"
-    vocab_size: int = Field(10000, ge=5)
+    vocab_size: Annotated[int, Field(ge=5),
+                          at_most(2**32, "Hugging Face tokenizers have 32-bit token ids")] = 10000
     seq_len: int = Field(20, ge=1)
     pack: bool = True
 
@@ -175,7 +195,7 @@ class AugmentSpec(Strict):
     padding: int = Field(4, ge=0)
     p: float = Field(0.5, ge=0, le=1)
     mean: list[float] | None = None
-    std: list[float] | None = None
+    std: list[Annotated[float, Field(gt=0)]] | None = None  # inputs are divided by it
 
     @model_validator(mode="before")
     @classmethod
@@ -193,7 +213,8 @@ class PartitionSpec(Strict):
 
     kind: Literal["natural", "iid", "dirichlet", "shards"] = "natural"
     clients: int | None = Field(None, ge=1)
-    alpha: float = Field(0.5, gt=0)
+    alpha: Annotated[float, Field(gt=0),
+                     at_most(1e300, "numpy's Dirichlet draws zeros or nan from about 1e307")] = 0.5
     balanced: bool = True
     classes_per_client: int = Field(2, ge=1)
     column: str | None = None
@@ -207,7 +228,8 @@ class PartitionSpec(Strict):
 
 
 class SplitSpec(Strict):
-    """Fractions of each client's samples for train / val / test."""
+    """Fractions of each client's samples for train / val / test. train and test are > 0 (every client trains,
+    every stage records each client's test metrics); val may be 0 (no validation metrics then)."""
 
     train: float = Field(0.6, ge=0, le=1)
     val: float = Field(0.2, ge=0, le=1)
@@ -220,6 +242,9 @@ class SplitSpec(Strict):
             raise SpecError("dataset.split", self.model_dump(), f"fractions must sum to 1, not {total:g}")
         if self.train <= 0:
             raise SpecError("dataset.split.train", self.train, "must be > 0: every client trains")
+        if self.test <= 0:
+            raise SpecError("dataset.split.test", self.test, "must be > 0: every stage records each client's "
+                            "test metrics (the per-client test distribution)")
         return self
 
 
@@ -238,7 +263,7 @@ class DatasetSpec(Strict):
     partition: PartitionSpec = Field(default_factory=PartitionSpec)
     split: SplitSpec = Field(default_factory=SplitSpec)
     augment: list[AugmentSpec] = Field(default_factory=list)
-    seed: int | None = None
+    seed: Seed | None = None
     normalize: bool = False
 
     @model_validator(mode="after")

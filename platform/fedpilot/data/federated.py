@@ -23,12 +23,14 @@ import numpy as np
 
 from fedpilot.data.config import DatasetSpec, Source
 from fedpilot.data.partition import partition, split_client
-from fedpilot.data.sources import RawData, load_source
+from fedpilot.data.sources import RawData, check_memory, load_source
 from fedpilot.errors import SpecError
 from fedpilot.settings import cache_root
 
 FORMAT_VERSION = 3  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
+CHECK_CHUNK = 1 << 20  # values checked for nan and inf at a time
+MIN_STD = 1e-6  # a constant feature or channel is centred, not divided by 0
 
 
 @dataclass(eq=False)
@@ -157,6 +159,7 @@ class Build:
         self.spec, self.key, self.tokenizer = spec, key, None
         rng = np.random.default_rng([seed, 1])
         raw = load_source(spec.source, seed, spec.partition.column, downloads)
+        refuse_bad_values(raw, spec)
         targets, self.num_classes = task_targets(raw, spec)
         strata = targets if spec.task == "classification" else np.zeros(len(raw.x), dtype=np.int64)
         clients = partition(strata, raw.groups, spec.partition, rng)
@@ -171,6 +174,10 @@ class Build:
             self.x, self.y = raw.x[order], None if targets is None else targets[order]
             sizes = {s: np.array([len(p[s]) for p in parts], dtype=np.int64) for s in SPLITS}
             self.feature_shape = raw.feature_shape
+        if not sizes["test"].any():
+            raise SpecError("dataset.split.test", spec.split.test, f"0 of {len(parts)} clients get a test "
+                            "sample (a client's share is round(test * its samples)), and every stage records "
+                            "each client's test metrics: raise it, or use fewer, larger clients")
         self.sizes = sizes
         totals = sizes["train"] + sizes["val"] + sizes["test"]
         starts = np.cumsum(totals) - totals
@@ -185,6 +192,11 @@ class Build:
         if text is None:
             raise SpecError("dataset.source.feature", _feature_name(self.spec), "holds text: give dataset.text "
                             "{tokenizer: char|word|PATH, vocab_size, seq_len} to tokenize it")
+        # a packed client split takes at least one window of seq_len + 1 tokens, an unpacked sample one
+        packed = self.spec.task == "next_token" and text.pack
+        windows = sum(len(p[s]) > 0 for p in parts for s in SPLITS) if packed else len(raw.x)
+        check_memory("dataset.text.seq_len", text.seq_len, windows * (text.seq_len + 1) * 8,
+                     f"{windows:,} sequences of {text.seq_len:,} tokens")
         train = np.concatenate([p["train"] for p in parts])
         self.tokenizer = build_tokenizer(text, raw.x[train].tolist())
         ids = special_ids(self.tokenizer)
@@ -213,18 +225,25 @@ class Build:
                 raise SpecError("dataset.normalize", True, f"z-scores numeric features; these inputs are "
                                 f"{_kind(raw)} (images: use dataset.augment: [normalize])")
             rows = self.x[train]
-            self.x = (self.x - rows.mean(0)) / np.maximum(rows.std(0), 1e-6)
-        for augment in spec.augment:
+            self.x = (self.x - rows.mean(0)) / np.maximum(rows.std(0), MIN_STD)
+        self._augmentations(raw, train)
+
+    def _augmentations(self, raw: RawData, train: np.ndarray) -> None:
+        """Check each augmentation against the images; the `normalize` statistics of the training split."""
+        for i, augment in enumerate(self.spec.augment):
+            if augment.kind == "random_crop" and augment.padding >= min(raw.feature_shape[1:]):
+                raise SpecError(f"dataset.augment.{i}.padding", augment.padding, f"a crop of images "
+                                f"{raw.feature_shape} padded this much could hold none of their pixels")
             if augment.kind == "normalize":
                 pixels = self.x[train].astype(np.float64) * raw.scale
                 channels = pixels.shape[1]
                 mean = augment.mean or pixels.mean((0, 2, 3)).tolist()
-                std = augment.std or pixels.std((0, 2, 3)).tolist()
+                std = augment.std or np.maximum(pixels.std((0, 2, 3)), MIN_STD).tolist()
                 if len(mean) != channels or len(std) != channels:
                     raise SpecError("dataset.augment.normalize", {"mean": mean, "std": std},
                                     f"needs one mean and one std per channel ({channels})")
                 self.meta.update(mean=[float(m) for m in mean], std=[float(s) for s in std])
-        self.meta["augment"] = [a.model_dump() for a in spec.augment if a.kind != "normalize"]
+        self.meta["augment"] = [a.model_dump() for a in self.spec.augment if a.kind != "normalize"]
 
     def save(self, folder: Path) -> None:
         """The cache entry, written into a temporary folder then renamed (a concurrent build of the same key wins
@@ -251,6 +270,41 @@ class Build:
             os.replace(tmp, folder)
         except OSError:  # another process built it first
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def refuse_bad_values(raw: RawData, spec: DatasetSpec) -> None:
+    """Features, and the targets of a task that learns from them, with missing (null) or non-finite (inf, nan)
+    values are a SpecError on the source's column (a plugin's: its RawData field): a model would train on
+    them."""
+    targets = None if spec.task == "next_token" else raw.y
+    for part, field_name, values in (("feature", "features (RawData.x)", raw.x),
+                                     ("label", "targets (RawData.y)", targets)):
+        count, samples = bad_values(values) if values is not None else (0, 0)
+        if not count:
+            continue
+        column = getattr(spec.source, part, None)
+        key, value, where = ((f"dataset.source.{part}", column, "") if column is not None
+                             else ("dataset.source.kind", spec.source.kind, f"in its {field_name}, "))
+        raise SpecError(key, value, f"{where}{count} value(s) are missing or not finite (null, inf or nan) "
+                        f"in {samples} sample(s)")
+
+
+def bad_values(values: np.ndarray) -> tuple[int, int]:
+    """(values, samples) of an array that are None or nan (object arrays) or inf or nan (floats), counted a
+    chunk of rows at a time: bounded scratch memory, and a memory-mapped array is read once, in order."""
+    if values.dtype != object and not np.issubdtype(values.dtype, np.inexact):
+        return 0, 0
+    width = int(np.prod(values.shape[1:]))
+    step = max(1, CHECK_CHUNK // max(1, width))
+    count = samples = 0
+    for start in range(0, len(values), step):
+        rows = values[start : start + step]
+        # an object array holds None for a null, and nan among Python numbers (nan != nan)
+        bad = (np.equal(rows, None) | np.not_equal(rows, rows)) if values.dtype == object else ~np.isfinite(rows)
+        if bad.any():
+            bad = bad.reshape(len(rows), -1)
+            count, samples = count + int(bad.sum()), samples + int(bad.any(1).sum())
+    return count, samples
 
 
 def task_targets(raw: RawData, spec: DatasetSpec) -> tuple[np.ndarray | None, int]:

@@ -111,6 +111,9 @@ def shards(labels: np.ndarray, spec: PartitionSpec, rng: np.random.Generator) ->
     if total < len(classes):
         raise SpecError("dataset.partition.classes_per_client", spec.classes_per_client,
                         f"clients * classes_per_client = {total} shards cannot cover {len(classes)} classes")
+    if total > len(labels):
+        raise SpecError("dataset.partition.classes_per_client", spec.classes_per_client,
+                        f"clients * classes_per_client = {total} shards, more than the {len(labels)} samples")
     pieces = [piece for c, m in zip(classes, _apportion(counts, total), strict=True)
               for piece in np.array_split(rng.permutation(np.flatnonzero(labels == c)), m)]
     assignment = rng.permutation(total).reshape(spec.clients, spec.classes_per_client)

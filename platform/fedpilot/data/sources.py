@@ -4,10 +4,13 @@ plugin's source."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 import socket
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -97,13 +100,20 @@ def plugin_samples(source: Source, seed: int, downloads: Path) -> RawData:
     sizes = {len(a) for a in (raw.x, raw.y, raw.groups) if a is not None}
     if len(sizes) != 1:
         raise broken(f"returned x, y and groups of different lengths {sorted(sizes)}")
+    if not (isinstance(raw.scale, Real) and math.isfinite(raw.scale) and raw.scale > 0):
+        raise broken(f"returned scale={raw.scale!r}: the inputs are multiplied by it (a finite number > 0)")
     return raw
 
 
 def synthetic(spec: SyntheticSource, seed: int) -> RawData:
     """LEAF/FedProx Synthetic(alpha, beta) (Li et al. 2020, Sec. 5.1); groups are the client indices."""
     rng = np.random.default_rng(seed)
-    sizes = np.minimum(rng.lognormal(spec.mean_size, spec.sigma, spec.n_clients).astype(int) + 50, spec.max_size)
+    smallest = min(50, spec.max_size)
+    _synthetic_fits(spec, spec.n_clients * smallest, smallest)  # before drawing n_clients sizes
+    # clipped while float: a draw past int64's range (a large mean_size or sigma) would wrap negative
+    sizes = np.minimum(np.floor(rng.lognormal(spec.mean_size, spec.sigma, spec.n_clients)) + 50,
+                       spec.max_size).astype(np.int64)
+    _synthetic_fits(spec, int(sizes.sum()), int(sizes.max()))
     scale = np.arange(1, spec.dim + 1, dtype=np.float64) ** -0.6  # std of diag(j^-1.2)
     xs, ys = [], []
     for n in sizes:
@@ -115,6 +125,27 @@ def synthetic(spec: SyntheticSource, seed: int) -> RawData:
     groups = np.repeat(np.arange(spec.n_clients), sizes)
     return RawData(np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.int64), groups,
                    (spec.dim,), class_names=spec.classes)
+
+
+def _synthetic_fits(spec: SyntheticSource, rows: int, largest: int) -> None:
+    """Synthetic samples fit in memory: `rows` samples (a client of at most `largest`), each feature held as
+    its float64 draw, in their concatenation and in the float32 copy; a client's weights and logits as
+    float64."""
+    options = spec.model_dump(include={"n_clients", "dim", "classes", "mean_size", "sigma", "max_size"})
+    nbytes = rows * spec.dim * (8 + 8 + 4) + (spec.dim + largest) * spec.classes * 8
+    check_memory("dataset.source", options, nbytes,
+                 f"{rows:,} samples of {spec.dim:,} features and {spec.classes:,} classes")
+
+
+def check_memory(key: str, value: Any, nbytes: int, what: str) -> None:
+    """A SpecError when building `what` needs more memory than this machine has: numpy would fail to allocate
+    it, or the kernel stop the process."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    if nbytes > total:
+        raise SpecError(key, value, f"{what} need about {nbytes / 2**30:.3g} GiB, more than this machine's "
+                        f"{total / 2**30:.3g} GiB of memory")
 
 
 def digits() -> RawData:
@@ -146,7 +177,7 @@ def hugging_face(spec: HFSource, column: str | None = None) -> RawData:
     if spec.max_samples:
         table = table.select(range(min(spec.max_samples, len(table))))
     x, scale = _features(table, spec.feature)
-    y = np.asarray(table[spec.label]) if spec.label else None
+    y = _labels(table, spec.label) if spec.label else None
     groups = np.asarray(table[column]) if column else None
     shape = None if x.dtype == object else tuple(x.shape[1:])
     return RawData(x, y, groups, shape, scale, _declared_classes(table, spec.label))
@@ -263,8 +294,19 @@ def _features(table, column: str) -> tuple[np.ndarray, float]:
             raise ValueError(f"values of type {values.dtype} are not numbers")
         return values.astype(np.float32), 1.0
     except (ValueError, TypeError) as err:  # ragged arrays, nested records, images of different sizes
-        raise SpecError("dataset.source.feature", column, f"cannot be made one array of numbers: "
-                        f"{str(err).strip().splitlines()[0]}") from None
+        raise _not_one_array("dataset.source.feature", column, err) from None
+
+
+def _labels(table, column: str) -> np.ndarray:
+    """A target column as one array: class names or numbers, or arrays of numbers of one shape."""
+    try:
+        return np.asarray(table[column])
+    except (ValueError, TypeError) as err:  # ragged arrays, or arrays among nulls
+        raise _not_one_array("dataset.source.label", column, err) from None
+
+
+def _not_one_array(key: str, column: str, err: Exception) -> SpecError:
+    return SpecError(key, column, f"cannot be made one array of numbers: {str(err).strip().splitlines()[0]}")
 
 
 def _images(column) -> np.ndarray:

@@ -1,21 +1,29 @@
 """The built-in models' option schemas (fedpilot.models.options) stand in for building the model in `fedpilot validate`,
 so they must agree with the builders: the same options and defaults, every option set a schema accepts (at the edges
 of its ranges) builds and runs a forward pass on data it `fits`, what it refuses the builder refuses or training
-would fail on, and `adapter_places` says whether the `adapters` preset finds a place."""
+would fail on, and `adapter_places` says whether the `adapters` preset finds a place. A plugin's builder, a Net
+subclass or a function returning a Net, has no schema: its signature types its options."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
-from typing import Any, Literal, get_args, get_origin
+import math
+import re
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import annotated_types
 import pytest
 import torch
+from pydantic import Field
+from torch import nn
 
+import fedpilot.models.options as model_options
+from fedpilot.api import Net
 from fedpilot.errors import SpecError
 from fedpilot.models import MODELS, apply_split, build_model
-from fedpilot.models.options import SCHEMAS, ModelOptions
+from fedpilot.models.options import SCHEMAS, ModelOptions, model_problem, option_names, validated_options
 
 VOCAB, LENGTH = 7, 6
 SMALL = {"resnet18": {"width": 4}}  # under every variant: a full-width ResNet-18 takes seconds to build
@@ -116,8 +124,6 @@ def _adapters_fit(model: torch.nn.Module) -> bool:
     ("mlp", {"width": 3}, "model.width"),
 ])
 def test_a_schema_refuses_what_cannot_be_built_naming_the_option(name, options, key):
-    from fedpilot.models.options import validated_options
-
     with pytest.raises(SpecError) as refused:
         validated_options(name, options)
     assert refused.value.key == key
@@ -132,3 +138,60 @@ def test_a_schema_refuses_what_cannot_be_built_naming_the_option(name, options, 
 def test_fits_refuses_data_the_model_cannot_read(name, options, shape, vocab, problem):
     with pytest.raises(SpecError, match=problem):
         SCHEMAS[name].model_validate(options).fits(name, shape, vocab)
+
+
+def builder(input_shape: tuple[int, ...], num_classes: int, /, width: Annotated[int, Field(gt=0)] = 4, *layers: int,
+            act: nn.Module | None = None, **rest: Any) -> Net:
+    """A plugin's builder function: its options are `width` and `act` (a keyword sets neither *layers nor **rest)."""
+    return Net(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def unreadable(input_shape: tuple[int, ...], num_classes: int, width: int = 4) -> Net:
+    return builder(input_shape, num_classes)
+
+
+unreadable.__annotations__["width"] = "Missing"  # as if imported only under TYPE_CHECKING
+
+
+class Narrow(Net):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 4):
+        super().__init__(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+class Anything:
+    pass
+
+
+@pytest.mark.parametrize(("component", "problem"), [
+    (builder, None),
+    (functools.partial(builder, width=2), None),
+    (MODELS["mlp"], None),
+    (Narrow, None),
+    (Anything, "is not a subclass of fedpilot.api.Net"),
+    (12, "is an int, not a fedpilot.api.Net subclass or a function returning a Net"),
+    (lambda input_shape: None, r"does not take \(input_shape, num_classes, \*\*options\)"),
+    (unreadable, "has a signature fedpilot cannot read: NameError: name 'Missing' is not defined"),
+])
+def test_a_plugin_model_is_a_net_subclass_or_a_function_returning_one(component, problem):
+    found = model_problem("mine", component)
+    assert found is None if problem is None else re.search(problem, found), found
+
+
+@pytest.mark.parametrize(("options", "checked"), [
+    ({"width": "3"}, {"width": 3}),
+    ({"width": 0}, "model.width"),
+    ({"act": "relu"}, "model.act"),
+    ({"layers": [2]}, "model.layers"),
+    ({"rest": 1}, "model.rest"),
+])
+def test_a_builder_functions_options_are_typed_by_its_signature(options, checked, monkeypatch):
+    monkeypatch.setattr(model_options, "MODELS", {"mine": builder})
+    assert option_names("mine") == ["width", "act"]
+    relu = nn.ReLU()
+    assert validated_options("mine", {"act": relu}) == {"act": relu}  # a torch class: by isinstance
+    if isinstance(checked, dict):
+        assert validated_options("mine", options) == checked
+        return
+    with pytest.raises(SpecError) as refused:
+        validated_options("mine", options)
+    assert refused.value.key == checked

@@ -43,6 +43,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
 
         [project.entry-points."fedpilot.models"]
         wide = "lab_fl.model:Wide"
+        narrow = "lab_fl.model:narrow"
 
         [project.entry-points."fedpilot.sources"]
         blobs = "lab_fl.source:Blobs"
@@ -74,6 +75,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
         ''',
     "lab_fl/model.py": '''
         import math
+        from typing import Literal
 
         from torch import nn
 
@@ -84,6 +86,14 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
             def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 16):
                 super().__init__(nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.Tanh()),
                                  nn.Linear(width, num_classes))
+
+
+        def narrow(input_shape: tuple[int, ...], num_classes: int, width: int = 4,
+                   act: Literal["tanh", "relu"] = "tanh") -> Net:
+            """A builder function, as the built-in models are."""
+            body = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width),
+                                 nn.Tanh() if act == "tanh" else nn.ReLU())
+            return Net(body, nn.Linear(width, num_classes))
         ''',
     "lab_fl/source.py": '''
         from pathlib import Path
@@ -153,6 +163,11 @@ BAD = {  # the distribution bad-plugins 0.0.1: a second `twostep`, and component
 
         [project.entry-points."fedpilot.models"]
         notnet = "bad_plugins:Anything"
+        bare = "bad_plugins:bare"
+        nothing = "bad_plugins:nothing"
+        constant = "bad_plugins:WIDTH"
+        onearg = "bad_plugins:one_arg"
+        noinit = "bad_plugins:NoInit"
 
         [project.entry-points."fedpilot.sources"]
         crashes = "bad_plugins:Crashes"
@@ -161,10 +176,30 @@ BAD = {  # the distribution bad-plugins 0.0.1: a second `twostep`, and component
         packages = ["bad_plugins"]
         """,
     "bad_plugins/__init__.py": '''
-        from fedpilot.api import Source
+        from torch import nn
+
+        from fedpilot.api import Net, Source
+
+        WIDTH = 12
 
 
         class Anything:
+            pass
+
+
+        def bare(input_shape, num_classes, width=12):
+            return nn.Linear(input_shape[0], num_classes)
+
+
+        def nothing(input_shape, num_classes, width=12):
+            pass
+
+
+        def one_arg(input_shape):
+            pass
+
+
+        class NoInit(Net):  # built as Net(input_shape, num_classes)
             pass
 
 
@@ -248,6 +283,32 @@ def test_validate_shows_the_plugins_params_and_only_its_models_own_options(lab, 
     assert code == 2 and "model.hidden=[8]: not an option of model 'wide' (allowed: width)" in output
 
 
+def test_a_builder_function_is_a_model_like_the_builtins(lab, workdir):
+    spec = {**{k: v for k, v in PIPELINE.items() if k != "search"}, "model": {"name": "narrow", "width": 6, "act": "relu"},
+            "stages": PIPELINE["stages"][:1]}
+    pipeline = str(write_pipeline(workdir, spec))
+    code, output = cli("validate", pipeline, "--full")
+    assert code == 0, output
+    assert yaml.safe_load(output[:output.index("ok: ")])["model"] == {"name": "narrow", "width": 6, "act": "relu"}
+    code, output = cli("run", pipeline, "--no-progress")
+    assert code == 0, output
+    run_id_of(output)
+
+
+FUNCTION_OPTIONS = [  # (override of the builder function's options, what the one error line says)
+    ("model.depth=2", "model.depth=2: not an option of model 'narrow' (allowed: width, act)"),
+    ("model.width=wide", "model.width='wide': Input should be a valid integer,"),
+    ("model.act=gelu", "model.act='gelu': Input should be 'tanh' or 'relu'"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), FUNCTION_OPTIONS, ids=[c[0] for c in FUNCTION_OPTIONS])
+def test_a_builder_functions_options_are_checked_by_its_signature(override, message, lab, workdir):
+    code, output = cli("validate", str(write_pipeline(workdir, PIPELINE)), "model.name=narrow", override)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {message}"), output
+
+
 def test_run_and_search_use_the_plugin_and_its_code_is_in_the_stage_key(lab, workdir):
     pipeline = str(write_pipeline(workdir, PIPELINE))
     code, output = cli("run", pipeline, "--no-progress")
@@ -266,14 +327,17 @@ def test_run_and_search_use_the_plugin_and_its_code_is_in_the_stage_key(lab, wor
 def test_the_plugins_model_and_source_code_are_in_the_stage_key_and_the_dataset_fingerprint(lab):
     from fedpilot.algorithms import build_algorithm
     from fedpilot.data import DatasetSpec, fingerprint
-    from fedpilot.models import build_model
+    from fedpilot.models import MODELS, build_model
     from fedpilot.pipeline import code_fingerprint
 
     algorithm, model = build_algorithm("twostep"), build_model("wide", (8,), 4)
+    narrow = build_model("narrow", (8,), 4), MODELS["narrow"]  # a builder function's Net of torch classes only
     spec = DatasetSpec.from_dict(PIPELINE["dataset"])
-    stage_code, data_key = code_fingerprint(algorithm, model), fingerprint(spec, 0)
+    stage_code, narrow_code, data_key = (code_fingerprint(algorithm, model), code_fingerprint(algorithm, *narrow),
+                                         fingerprint(spec, 0))
     with appended(lab / "lab_fl" / "model.py", "\n# an edit of the model\n"):
         assert code_fingerprint(algorithm, model) != stage_code
+        assert code_fingerprint(algorithm, *narrow) != narrow_code
     with appended(lab / "lab_fl" / "source.py", "\n# an edit of the source\n"):
         assert fingerprint(spec, 0) != data_key
     assert (code_fingerprint(algorithm, model), fingerprint(spec, 0)) == (stage_code, data_key)
@@ -297,7 +361,7 @@ def test_a_submitted_job_runs_on_a_worker_and_records_the_plugins_version(lab, w
     assert [a["plugins"] for a in job["attempts_detail"]] == [{"lab-fl": "0.3.0"}]
 
 
-BAD_CASES = [  # (override, what the one error line says)
+BAD_CASES = [  # (overrides, what the one error line says)
     ("stages.1.algorithm=mine", r"stages.1.algorithm='mine': the plugin `mine = clashing:Mine` .* of distribution "
                                 r"clashing-plugin 0.0.2 cannot be used: its distribution also registers `fedavg = "
                                 r"clashing:Mine`, the name of a built-in algorithm"),
@@ -306,6 +370,16 @@ BAD_CASES = [  # (override, what the one error line says)
                                   r"bad-plugins 0.0.1 cannot be loaded: ModuleNotFoundError"),
     ("stages.1.algorithm=notalgo", r"bad-plugins 0.0.1 is not a subclass of fedpilot.api.Algorithm"),
     ("model.name=notnet", r"model.name='notnet': .*bad-plugins 0.0.1 is not a subclass of fedpilot.api.Net"),
+    ("model.name=constant", r"model.name='constant': the plugin `constant = bad_plugins:WIDTH` .* is an int, not a "
+                            r"fedpilot.api.Net subclass or a function returning a Net"),
+    ("model.name=onearg", r"model.name='onearg': .*bad-plugins 0.0.1 does not take \(input_shape, num_classes, "
+                          r"\*\*options\)"),
+    ("model.name=bare", r"model=\{'name': 'bare', 'width': 12\}: cannot be built \(the plugin `bare = bad_plugins:bare`"
+                        r" .*\): .*returned a torch.nn.modules.linear.Linear, not a fedpilot.api.Net"),
+    ("model.name=nothing", r"model=\{'name': 'nothing', 'width': 12\}: cannot be built .*: .*returned None, not a "
+                           r"fedpilot.api.Net"),
+    ("model.name=noinit ~model.width", r"model=\{'name': 'noinit'\}: cannot be built .*: Net\(body, head\) takes "
+                                       r"two modules, not tuple and int"),
     ("dataset.source.kind=crashes", r"dataset.source.kind='crashes': the plugin `crashes = bad_plugins:Crashes` .*"
                                     r"bad-plugins 0.0.1 failed to load its samples: OSError: the lab's file server"),
 ]
@@ -332,7 +406,7 @@ def test_a_plugin_cannot_replace_or_break_a_builtin(bad):
 @pytest.mark.parametrize(("override", "message"), BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_clashing_and_broken_plugins_fail_when_named_with_their_distribution(override, message, bad, workdir):
     before = (workdir / "mlflow.db").read_bytes()  # the empty store
-    code, output = cli("run", bad, override, "--no-progress")
+    code, output = cli("run", bad, *override.split(), "--no-progress")
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), output
     assert (workdir / "mlflow.db").read_bytes() == before and not (workdir / "cache" / "stages").exists()

@@ -6,7 +6,9 @@ public test helpers).
 - an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`), which sees a `Cohort`
   (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side (`Aggregator`,
   `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`);
-- a model: a `Net(body, head)` subclass built as `Model(input_shape, num_classes, **options)`;
+- a model: built as `model(input_shape, num_classes, **options)`, like the built-in ones: a function that returns a
+  `Net(body, head)`, or a `Net` subclass (its options: the keyword parameters after those two, typed by their
+  annotations);
 - a dataset source: a `Source` (pydantic fields = its options) whose `load` returns `RawData`;
 - a task (not pluggable yet): `Task`, what the engine scores a model's outputs by (cohorts train with it);
 - `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2.

@@ -49,7 +49,8 @@ def _same_dist(a: EntryPoint, b: EntryPoint) -> bool:
     return a.dist is not None and b.dist is not None and a.dist.name == b.dist.name
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
@@ -120,7 +121,7 @@ class Registry(Mapping[str, Any]):
         try:
             component = entry.load()
         except Exception as err:  # anything its import raises: a missing dependency, a syntax error, a bad target
-            raise SpecError(key, entry.name, f"the {describe(entry)} cannot be loaded: {_first_line(err)}") from None
+            raise SpecError(key, entry.name, f"the {describe(entry)} cannot be loaded: {first_line(err)}") from None
         problem = self.check(entry.name, component) if self.check else None
         if problem:
             raise SpecError(key, entry.name, f"the {describe(entry)} {problem}")

@@ -7,43 +7,67 @@ unknown options, types, ranges (sizes of at least 1, an LSTM of at least one lay
 (`d_model` divisible by `n_heads`); its `fits` checks it against the built dataset (token ids or features, images of
 rank 3 and at least 4x4 pixels for the CNN, a `context` as long as the sequences, a `vocab_size` that holds the data's
 vocabulary). So a built-in model whose options pass builds without error, and `fedpilot validate` does not build it
-(nor import torch). A plugin model's options are its builder's keyword arguments typed by their annotations; its
-builder is code, so a pipeline naming it is checked by building it.
+(nor import torch). A plugin model's builder (a Net subclass or a function returning a Net, `model_problem`) has no
+schema: its options are its keyword parameters typed by their annotations; its builder is code, so a pipeline naming
+it is checked by building it.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     NonNegativeInt,
     PositiveInt,
+    PydanticSchemaGenerationError,
     TypeAdapter,
     ValidationError,
     model_validator,
 )
 
 from fedpilot.errors import SpecError, from_validation
-from fedpilot.registry import Registry
+from fedpilot.registry import Registry, first_line
 
 PRESETS = ["none", "input_layer", "output_layer", "adapters", "all"]
 IMAGES = "images (channels, height, width)"
 TOKENS = "token sequences (length,)"
+# the parameter kinds a positional / a keyword argument can set
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def model_problem(name: str, component: Any) -> str | None:
-    """What keeps a plugin's `component` from being a model, or None: a plugin model is a Net subclass built as
-    `Model(input_shape, num_classes, **options)` (its options are the keyword arguments after those two)."""
+    """What keeps a plugin's `component` from being a model, or None. A plugin model is built like a built-in one,
+    as `component(input_shape, num_classes, **options)`: a Net subclass, or a function that returns a Net. Its
+    options are the parameters after those two that a keyword can set, typed by their annotations (a class's in its
+    `__init__`)."""
     from fedpilot.models.zoo import Net
 
-    if not (isinstance(component, type) and issubclass(component, Net)):
+    if isinstance(component, type) and not issubclass(component, Net):
         return "is not a subclass of fedpilot.api.Net (a model is head(body(x)))"
-    if len(inspect.signature(component).parameters) < 2:
+    if not callable(component):
+        return f"is {_a(component)}, not a fedpilot.api.Net subclass or a function returning a Net"
+    try:
+        parameters = builder_parameters(component)
+    except Exception as err:  # a signature inspect cannot read, an annotation that does not evaluate
+        return f"has a signature fedpilot cannot read: {first_line(err)}"
+    if sum(p.kind in POSITIONAL for p in parameters) < 2:
         return "does not take (input_shape, num_classes, **options)"
     return None
+
+
+def _a(value: Any) -> str:
+    """`value`'s type with an article: "an int", "a dict"."""
+    kind = type(value).__name__
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+
+
+def builder_parameters(builder: Any) -> list[inspect.Parameter]:
+    """The parameters of a model's builder (a class's `__init__`'s without self), annotations evaluated."""
+    return list(inspect.signature(builder, eval_str=True).parameters.values())
 
 
 MODELS = Registry("model", {name: f"fedpilot.models.zoo:{name}" for name in (
@@ -190,8 +214,22 @@ SCHEMAS: dict[str, type[ModelOptions]] = {
 
 
 def _plugin_options(name: str) -> dict[str, inspect.Parameter]:
-    """The options of plugin model `name` (loaded): its builder's parameters after (input_shape, num_classes)."""
-    return dict(list(inspect.signature(MODELS[name]).parameters.items())[2:])
+    """The options of plugin model `name` (loaded): its builder's parameters after (input_shape, num_classes) that
+    a keyword can set."""
+    parameters = builder_parameters(MODELS[name])
+    shape_and_classes = [p.name for p in parameters if p.kind in POSITIONAL][:2]
+    return {p.name: p for p in parameters if p.kind in KEYWORD and p.name not in shape_and_classes}
+
+
+def _checker(annotation: Any) -> TypeAdapter:
+    """What checks the values of a plugin's option annotated `annotation` (any value when it has none); a class
+    pydantic has no schema for (a torch type) by isinstance."""
+    if annotation is inspect.Parameter.empty:
+        return TypeAdapter(Any)
+    try:
+        return TypeAdapter(annotation)
+    except PydanticSchemaGenerationError:
+        return TypeAdapter(annotation, config=ConfigDict(arbitrary_types_allowed=True))
 
 
 def option_names(name: str) -> list[str]:
@@ -214,12 +252,11 @@ def validated_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         except ValidationError as err:
             raise from_validation(err, SCHEMAS[name], "model") from None
         return {key: getattr(checked, key) for key in options}
-    builder = MODELS[name]
-    hints = get_type_hints(builder.__init__ if isinstance(builder, type) else builder)
+    parameters = _plugin_options(name)
     typed = {}
     for key, value in options.items():  # each option as its builder's signature types it
         try:
-            typed[key] = TypeAdapter(hints.get(key, Any)).validate_python(value)
+            typed[key] = _checker(parameters[key].annotation).validate_python(value)
         except ValidationError as err:
             raise SpecError(f"model.{key}", value, err.errors()[0]["msg"]) from None
     return typed

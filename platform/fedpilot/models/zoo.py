@@ -35,6 +35,8 @@ class Net(nn.Module):
     model when that is not the first parametrised module / the head (name regexes)."""
 
     def __init__(self, body: nn.Module, head: nn.Linear, presets: dict[str, list[str]] | None = None):
+        if not (isinstance(body, nn.Module) and isinstance(head, nn.Module)):  # a subclass that forgot its __init__
+            raise TypeError(f"Net(body, head) takes two modules, not {type(body).__name__} and {type(head).__name__}")
         super().__init__()
         self.body, self.head = body, head
         self.presets = presets or {}
@@ -226,8 +228,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, token
                 **options: Any) -> Net:
     """The registered model `name` for inputs of `input_shape` and `num_classes` outputs, its `options` checked
     (fedpilot.models.options); `tokens` ({vocab_size, pad_id}) fills a token model's options the pipeline does not
-    set."""
+    set. A SpecError when the builder (a plugin's function) returns anything but a Net."""
     options = validated_options(name, options)
     filled = {k: v for k, v in (tokens or {}).items() if k in option_names(name) and options.get(k) is None}
-    return MODELS[name](tuple(input_shape), num_classes, **{**options, **filled})
+    model = MODELS[name](tuple(input_shape), num_classes, **{**options, **filled})
+    if not isinstance(model, Net):
+        what = "None" if model is None else f"a {type(model).__module__}.{type(model).__qualname__}"
+        raise SpecError("model.name", name, f"its builder returned {what}, not a fedpilot.api.Net (a model is "
+                        "head(body(x)))")
+    return model
 

@@ -9,6 +9,7 @@ change how a stage runs, not what it computes (equal within float tolerance, tes
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -65,15 +66,17 @@ def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int
 def code_fingerprint(*components: object) -> str:
     """sha256 of the source of the code a stage computes with: fedpilot's engine, models and data packages, and
     the modules defining each component's class and bases (the algorithm; the model and its submodules, which is
-    where a plugin's own code lives). An edited model or algorithm gives the stage a new cache key."""
+    where a plugin's own code lives) and each function component's module (a plugin model's builder function, whose
+    Net may be made of torch classes only). An edited model or algorithm gives the stage a new cache key."""
     from fedpilot import data, engine, models
 
     files = {f for package in (engine, models, data) for f in Path(package.__file__).parent.glob("*.py")}
     classes = {cls for c in components for obj in ([*c.modules()] if isinstance(c, torch.nn.Module) else [c])
                for cls in type(obj).__mro__}
-    for cls in classes:
-        module = sys.modules.get(cls.__module__)
-        if cls.__module__.split(".")[0] not in NOT_OUR_CODE and getattr(module, "__file__", None):
+    names = {cls.__module__ for cls in classes} | {c.__module__ for c in components if inspect.isfunction(c)}
+    for name in names:
+        module = sys.modules.get(name)
+        if name.split(".")[0] not in NOT_OUR_CODE and getattr(module, "__file__", None):
             files.add(Path(module.__file__))
     digest = hashlib.sha256(torch.__version__.encode())
     for file in sorted(files):

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from fedpilot.cli import app, format_outcomes
 from fedpilot.spec import PipelineSpec, load_pipeline
+from pipeline_fixtures import SMALL, cli, write_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -101,3 +103,40 @@ def test_fedpilot_processes_let_waiting_openmp_threads_sleep_unless_the_environm
         proc = subprocess.run([sys.executable, "-c", show], env=child_env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == [expected, "False"]  # set before anything could load torch
+
+
+SEARCHABLE = {**SMALL, "search": {"space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": 0.1}},
+                                  "objective": {"metric": "val_acc_weighted"}, "trials": 2}}
+DAILY = ("--cron", "0 2 * * *")
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (("search", "@PIPE@", "--trials", str(2**31)), f"--trials={2**31}: must be from 1 to 2,147,483,647"),
+    (("submit", "@PIPE@", "--search", "--trials", str(2**31)), f"--trials={2**31}: must be from 1"),
+    (("schedule", "add", "@PIPE@", *DAILY, "--trials", str(2**31)), f"--trials={2**31}: must be from 1"),
+    (("search", "@PIPE@", "--heartbeat-seconds", "0"), "--heartbeat-seconds=0: must be from 1 to 86,400"),
+    (("search", "@PIPE@", "--parallel", "0"), "--parallel=0: must be from 1 to 1,000"),
+    (("search", "@PIPE@", "--to", "queue", "--parallel", "1001"), "--parallel=1001: must be from 1 to 1,000"),
+    (("submit", "@PIPE@", "--search", "--parallel", "1001"), "--parallel=1001: must be from 1 to 1,000"),
+    (("schedule", "add", "@PIPE@", *DAILY, "--trials", "1", "--to", "slurm", "--parallel", "5000"),
+     "--parallel=5000: must be from 1 to 1,000"),
+    (("jobs", "show", str(2**70)), f"JOB_ID={2**70}: must be from 1 to 2,147,483,647"),
+    (("cancel", "0"), "JOB_ID=0: must be from 1 to 2,147,483,647"),
+    (("worker", "--exit-when-idle", "--grace-seconds", "1e30"), "--grace-seconds=1e+30: must be from 0.01 to 86,400"),
+    (("scheduler", "--once", "--poll-seconds", "0"), "--poll-seconds=0.0: must be from 0.01 to 86,400"),
+    (("ui", "--port", "70000"), "--port=70000: must be from 1 to 65,535"),
+    (("data", "describe", "@PIPE@", "seed=-1"), "seed=-1: Input should be greater than or equal to 0"),
+    (("data", "describe", "@PIPE@", "seed=true"), "seed=True: a number, not true or false"),
+    (("compare", "@SET@"), "seed=-1: Input should be greater than or equal to 0"),
+    (("compare", "@SET@", "--seeds", "1001"), "--seeds=1001: must be from 1 to 1,000"),
+])
+def test_numeric_options_out_of_range_exit_2_naming_them_and_create_nothing(workdir, monkeypatch, args, expect):
+    monkeypatch.setattr(os, "execvp", lambda *args: pytest.fail("`fedpilot ui` started MLflow"))
+    pipe = write_pipeline(workdir, SEARCHABLE)
+    (workdir / "set.yaml").write_text(yaml.safe_dump({"name": "s", "baseline": "small", "seeds": [-1],
+                                                      "pipelines": [pipe.name]}))
+    before = sorted(workdir.rglob("*"))
+    code, output = cli(*(a.replace("@PIPE@", str(pipe)).replace("@SET@", str(workdir / "set.yaml")) for a in args))
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and expect in errors[0], output
+    assert sorted(workdir.rglob("*")) == before

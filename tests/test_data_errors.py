@@ -173,7 +173,7 @@ def test_a_federation_without_a_test_sample_is_refused(tmp_path):
      r"^dataset.source=.*'mean_size': 30.0.*of memory$"),
     ({"source": {"kind": "hf", "path": "@odd", "feature": "words", "label": "y"}, "text": {"seq_len": 10**11},
       "partition": {"kind": "iid", "clients": 2}},
-     r"^dataset.text.seq_len=100000000000: 40 sequences of 100,000,000,000 tokens need about"),
+     r"^dataset.text.seq_len=100000000000: 40 sequences of 100,000,000,000 tokens would take about"),
     ({"source": {"kind": "hf", "path": "@odd", "feature": "words"}, "task": "next_token",
       "text": {"seq_len": 10**20}, "partition": {"kind": "iid", "clients": 2}},
      r"^dataset.text.seq_len=100000000000000000000: 6 sequences"),

@@ -127,3 +127,60 @@ def test_stage_names_default_to_the_algorithm():
                                    "dataset": {"source": {"kind": "digits"}}, "model": {"name": "mlp"},
                                    "stages": [{"algorithm": "fedavg"}, {"algorithm": "finetune"}]})
     assert [s.name for s in spec.stages] == ["fedavg", "finetune"]
+
+
+QUICKSTART = ROOT / "pipelines" / "quickstart.yaml"
+BIG = str(2**70)
+
+
+@pytest.mark.parametrize(("override", "expect"), [
+    # numpy's SeedSequence takes seeds >= 0, scikit-learn and numpy's RandomState below 2**32
+    ("seed=-1", "seed=-1: Input should be greater than or equal to 0"),
+    (f"seed={2**32}", f"seed={2**32}: must be at most {2**32 - 1} (numpy's RandomState and scikit-learn"),
+    ("search.sampler.seed=-1", "search.sampler.seed=-1: Input should be greater than or equal to 0"),
+    (f"search.sampler.seed={2**32}", f"search.sampler.seed={2**32}: must be at most {2**32 - 1}"),
+    # a job's trials are an SQL INTEGER (32 bits in PostgreSQL)
+    (f"search.trials={2**31}", f"search.trials={2**31}: Input should be less than or equal to {2**31 - 1}"),
+    # torch.optim.Adam refuses betas outside [0, 1)
+    ("stages.0.server.betas=[1.5,0.9]", "stages.0.server.betas.0=1.5: Input should be less than 1"),
+    ("stages.0.server.betas=[0.9,1.0]", "stages.0.server.betas.1=1.0: Input should be less than 1"),
+    ("stages.0.server.betas=[-0.1,0.9]", "stages.0.server.betas.0=-0.1: Input should be greater than or equal to 0"),
+    # the engine computes in float32, and torch's sizes and counts are 64-bit
+    ("stages.0.local.weight_decay=1e300", "stages.0.local.weight_decay=1e+300: past float32's largest number"),
+    ("stages.0.server.lr=1e39", "stages.0.server.lr=1e+39: past float32's largest number"),
+    ("stages.1.params.lr_v=1e300", "stages.1.params.lr_v=1e+300: past float32's largest number"),
+    (f"stages.0.local.batch_size={BIG}", f"stages.0.local.batch_size={BIG}: past a 64-bit integer"),
+    (f"stages.1.params.tau_v={BIG}", f"stages.1.params.tau_v={BIG}: past a 64-bit integer"),
+    (f"model.hidden=[{BIG}]", f"model.hidden.0={BIG}: past a 64-bit integer"),
+    (f"personalization={{split: adapters, adapter_dim: {BIG}}}", f"personalization.adapter_dim={BIG}: past"),
+    # pydantic would read true as 1 (and YAML reads yes, no, on and off as booleans)
+    ("seed=true", "seed=True: a number, not true or false"),
+    ("devices=true", "devices=True: a number, not true or false"),
+    ("stages.0.rounds=false", "stages.0.rounds=False: a number, not true or false"),
+    ("stages.0.local.lr=true", "stages.0.local.lr=True: a number, not true or false"),
+    ("search.trials=true", "search.trials=True: a number, not true or false"),
+])
+def test_numbers_a_library_would_refuse_are_errors_naming_their_key(override, expect):
+    with pytest.raises(SpecError) as raised:
+        load_pipeline(QUICKSTART, [override])
+    assert expect in str(raised.value)
+
+
+@pytest.mark.parametrize(("param", "expect"), [
+    ({"type": "int", "low": 1, "high": 3, "step": 0.5}, "an int parameter's low, high and step are whole numbers"),
+    ({"type": "int", "low": 1.5, "high": 3}, "an int parameter's low, high and step are whole numbers"),
+    ({"type": "float", "low": -1e300, "high": 1e300}, "past float32's largest number"),
+])
+def test_search_dimensions_optuna_would_refuse_are_errors(param, expect):
+    dimension = yaml.safe_dump(param, default_flow_style=True).strip()
+    with pytest.raises(SpecError, match=re.escape(expect)):
+        load_pipeline(QUICKSTART, [f"search.space={{stages.0.rounds: {dimension}}}"])
+
+
+def test_true_and_false_stay_booleans_where_a_key_is_one():
+    spec = load_pipeline(QUICKSTART, ["tracking.plots=false", "stages.1.params.stateful=false"])
+    assert spec.tracking.plots is False and spec.stages[1].params["stateful"] is False
+
+
+def test_a_quoted_group_choice_is_the_choice():
+    assert load_pipeline(QUICKSTART, ["model='logreg'"]).model == load_pipeline(QUICKSTART, ["model=logreg"]).model

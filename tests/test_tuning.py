@@ -16,8 +16,9 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.errors import SpecError
+from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
-from fedpilot.tuning import PruneOnEvaluation, Search, quiet_optuna
+from fedpilot.tuning import PruneOnEvaluation, Search, make_sampler, quiet_optuna
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
@@ -269,3 +270,11 @@ def test_multi_objective_search_records_a_pareto_front_and_the_time_budget_stops
     budget = PipelineSpec.from_dict({**spec_with({**SEARCH, "timeout_s": 0.5}), "stages": TINY["stages"]})
     timed = Search(budget, f"sqlite:///{env}/budget.db", trials=50, echo=lambda line: None).run()
     assert 1 <= timed.finished < 50  # a trial started before the deadline finishes, then the search stops
+
+
+@pytest.mark.parametrize("kind", ["tpe", "random", "nsga2"])
+def test_the_largest_sampler_seed_still_seeds_a_sampler_for_every_trial(kind):
+    """Optuna's samplers seed numpy's RandomState (0 to 2**32 - 1): seed + the trial count wraps around."""
+    spec = PipelineSpec.from_dict(spec_with({**SEARCH, "sampler": {"kind": kind, "seed": SEED_MAX}}))
+    for offset in (0, 1, 10**6):
+        make_sampler(spec, offset)

@@ -10,6 +10,9 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli_common import (
+    PARALLEL_MAX,
+    PERIOD_MAX_S,
+    PORT,
     Account,
     CacheDir,
     Cpus,
@@ -27,8 +30,9 @@ from fedpilot.cli_common import (
     print_json,
     program,
     reporting,
+    within,
 )
-from fedpilot.errors import SpecError
+from fedpilot.errors import SpecError, StageFailed
 from fedpilot.jobs.result_file import write_result
 
 app = typer.Typer(
@@ -51,16 +55,16 @@ def data_describe(
 ) -> None:
     """Build (or load from the cache) the pipeline's federated dataset and summarise it."""
     from fedpilot.data import DatasetSpec, build_federated_data, describe, format_summary
-    from fedpilot.spec import compose_pipeline
+    from fedpilot.settings import check_cache
+    from fedpilot.spec import compose_pipeline, pipeline_seed
 
     try:
+        check_cache(cache_dir)
         composed = compose_pipeline(pipeline, overrides or [])
         if "dataset" not in composed:
             raise SpecError("dataset", None, "the pipeline names no dataset (add `defaults: [{dataset: digits}]`)")
         spec = DatasetSpec.from_dict(composed["dataset"])
-        seed = composed.get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise SpecError("seed", seed, "must be an integer")
+        seed = pipeline_seed(composed)
         start = time.perf_counter()
         data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
         seconds = time.perf_counter() - start
@@ -90,12 +94,14 @@ def validate(
 
     from fedpilot.overview import applicable, summary
     from fedpilot.pipeline import prepare
-    from fedpilot.settings import cache_root
+    from fedpilot.settings import check_cache, check_tracking
     from fedpilot.spec import load_pipeline
 
     try:
+        root = check_cache(cache_dir)
         spec = load_pipeline(pipeline, overrides or [])
-        prepared = checked(lambda: prepare(spec, cache_dir or cache_root()))
+        check_tracking(spec.tracking.uri)
+        prepared = checked(lambda: prepare(spec, root))
     except SpecError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full else summary(spec, prepared and prepared.data.n_clients))
@@ -121,26 +127,32 @@ def run(
 
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
-    from fedpilot.settings import tracking_uri
+    from fedpilot.settings import check_cache, check_output, check_tracking
     from fedpilot.spec import PipelineSpec, load_pipeline
 
     try:
+        check_output("--result-file", result_file)
+    except SpecError as err:  # not written to the result file: it may have no folder
+        fail(err)
+    try:
+        root = check_cache(cache_dir)
         if resume:
             if pipeline is not None or overrides:
                 raise SpecError("--resume", resume, "a resumed run uses its recorded pipeline; give no file or "
                                 "overrides")
             from fedpilot.tracking import load_resumed_spec
 
-            spec = PipelineSpec.from_dict(load_resumed_spec(resume, tracking_uri()))
+            spec = PipelineSpec.from_dict(load_resumed_spec(resume, check_tracking(reach=True)))
         elif pipeline is None:
             raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
         else:
             spec = load_pipeline(pipeline, overrides or [])
+        check_tracking(spec.tracking.uri, reach=True)
         # torch, Lightning and MLflow load only for a valid spec: a bad input is refused in a second or two
         from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
 
         quiet_lightning()
-        runner = PipelineRunner(spec, cache_dir=cache_dir, progress=progress, use_cache=cache)
+        runner = PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
@@ -157,6 +169,8 @@ def run(
     except Stopped as stop:
         typer.echo(f"\nstopped; continue with: {program()} run --resume {runner.run_id}", err=True)
         raise typer.Exit(stop.code) from None
+    except StageFailed as err:  # diverged: a resumed run would diverge again, so no --resume is offered
+        fail(err, code=1)
     typer.echo("")
     typer.echo(format_outcomes(result.stages, runner.task.primary))
     typer.echo("")
@@ -199,8 +213,8 @@ def search(
     study: Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the "
                                                    "pipeline name); an existing study is resumed.")] = None,
     cache_dir: CacheDir = None,
-    heartbeat_seconds: Annotated[int, typer.Option(min=1, help="Trial heartbeat; a trial silent for 3 heartbeats "
-                                                              "is failed and retried.")] = 10,
+    heartbeat_seconds: Annotated[int, typer.Option(help="Trial heartbeat (1 to 86400); a trial silent for 3 "
+                                                        "heartbeats is failed and retried.")] = 10,
     result_file: ResultFile = None,
     to: Annotated[str | None, typer.Option("--to", help="Run the trials elsewhere instead of in this process: "
                                                         "`slurm` (a job array) or `queue` (fedpilot workers).")] = None,
@@ -212,30 +226,38 @@ def search(
     `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
     from fedpilot.names import check_name
     from fedpilot.pipeline import prepare
-    from fedpilot.settings import cache_root, platform_db_url
+    from fedpilot.settings import SQL_INT_MAX, check_cache, check_output, check_tracking, platform_db
     from fedpilot.spec import load_pipeline
 
+    try:  # the options, before anything (errors here are not written to the result file: it may have no folder)
+        check_output("--result-file", result_file)
+        within("--trials", trials, 1, SQL_INT_MAX)
+        within("--heartbeat-seconds", heartbeat_seconds, 1, PERIOD_MAX_S)
+        within("--parallel", parallel, 1, PARALLEL_MAX)
+    except SpecError as err:
+        fail(err)
     if to is not None or parallel > 1:
         _search_elsewhere(pipeline, overrides, trials, storage, study, to, parallel,
                           {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time,
                            "account": account, "qos": qos})
         return
     try:
-        if trials is not None and trials < 1:
-            raise SpecError("--trials", trials, "must be at least 1")
         if study is not None:
             check_name("--study", study)
+        storage_url, _ = platform_db(storage, "--storage")
+        root = check_cache(cache_dir)
         spec = load_pipeline(pipeline, overrides or [])
         if spec.search is None:
             raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
-        prepare(spec, cache_dir or cache_root())  # every input check before the study and its MLflow run exist
+        check_tracking(spec.tracking.uri, reach=True)
+        prepare(spec, root)  # every input check before the study and its MLflow run exist
         # torch, Lightning and MLflow load once every input is checked
         from fedpilot.pipeline import quiet_lightning
         from fedpilot.tuning import Search, quiet_optuna
 
         quiet_lightning()
         quiet_optuna()
-        runner = Search(spec, platform_db_url(storage), trials, study, cache_dir, heartbeat_seconds, typer.echo)
+        runner = Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
@@ -258,16 +280,18 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     from fedpilot.jobs.cli import send
     from fedpilot.jobs.queue import prepare as job_fields
     from fedpilot.names import check_name
+    from fedpilot.settings import platform_db
 
     try:
         if to is None:
             raise SpecError("--parallel", parallel, "starts trial workers elsewhere: add --to slurm (a job array) "
                             "or --to queue (jobs for fedpilot workers)")
         target = where(to, "queue")
+        platform_db(storage, "--storage")  # checked before the pipeline's data is built
         fields = job_fields(pipeline, overrides or [], True, trials, here=target != "slurm")
         if study is not None:
             fields["study"] = check_name("--study", study)
-        ids = send(fields, target, flags, parallel, storage)
+        ids = send(fields, target, flags, parallel, storage, "--storage")
     except SpecError as err:
         fail(err)
     typer.echo(" ".join(map(str, ids)))
@@ -292,7 +316,12 @@ def compare(
     except SpecError as err:
         fail(err)
     typer.echo(f"comparison {comparison.name}: {len(specs)} pipelines x seeds {comparison.seed_list()}")
-    result = run_comparison(comparison, specs, cache_dir, progress, typer.echo)
+    try:
+        result = run_comparison(comparison, specs, cache_dir, progress, typer.echo)
+    except SpecError as err:  # the tracking store refused its first request
+        fail(err)
+    except StageFailed as err:
+        fail(err, code=1)
     typer.echo("\n" + result.table)
     typer.echo(f"run_id: {result.run_id}")
 
@@ -306,15 +335,21 @@ def report(
     """Write the report of pipeline runs (per-client CDFs, before/after per client, curves, footprints, the
     per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
     trials side by side."""
+    from fedpilot.settings import check_output, check_tracking
+
+    try:
+        uri = check_tracking(reach=True)
+        check_output("--output", output)
+    except SpecError as err:
+        fail(err)
     from mlflow import MlflowClient
 
     from fedpilot.report import build
-    from fedpilot.settings import tracking_uri
     from fedpilot.tracking import quiet_mlflow
 
     quiet_mlflow()
     try:
-        page = build(MlflowClient(tracking_uri()), run_ids)
+        page = build(MlflowClient(uri), run_ids)
     except SpecError as err:
         fail(err)
     output.write_text(page)
@@ -323,15 +358,19 @@ def report(
 
 @app.command()
 def ui(
-    port: Annotated[int, typer.Option(help="Port of the MLflow UI.")] = 5000,
+    port: Annotated[int, typer.Option(help="Port of the MLflow UI (1 to 65535).")] = 5000,
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",
 ) -> None:
     """Start the MLflow UI on the configured store ($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
     import os
 
-    from fedpilot.settings import tracking_uri
+    from fedpilot.settings import check_tracking
 
-    uri = tracking_uri()
+    try:
+        within("--port", port, *PORT)
+        uri = check_tracking()
+    except SpecError as err:
+        fail(err)
     if uri.startswith(("http://", "https://")):
         typer.echo(f"the tracking store is a server: open {uri} in a browser")
         return

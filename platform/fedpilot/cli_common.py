@@ -16,6 +16,7 @@ from fedpilot.errors import DataUnavailable, SpecError
 from fedpilot.jobs.result_file import write_result
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
 Overrides = Annotated[
@@ -45,8 +46,12 @@ Time = Annotated[str | None, typer.Option(help="Time limit, MINUTES or [D-]HH:MM
                                           rich_help_panel=SLURM_PANEL)]
 Account = Annotated[str | None, typer.Option(help="Account charged.", rich_help_panel=SLURM_PANEL)]
 Qos = Annotated[str | None, typer.Option(help="Quality of service.", rich_help_panel=SLURM_PANEL)]
-Parallel = Annotated[int, typer.Option(min=1, help="Search trial workers started at once on one study (a Slurm "
-                                                   "job array with --to slurm, else that many queued jobs).")]
+Parallel = Annotated[int, typer.Option(help="Search trial workers started at once on one study (a Slurm job array "
+                                             "with --to slurm, else that many queued jobs; 1 to 1000).")]
+# Bounds of numeric options: past them a value is a typo, or fails inside the library it reaches.
+PARALLEL_MAX = 1000  # a job array's tasks: Slurm's default MaxArraySize (1001) bounds them
+PERIOD_MAX_S = 86_400  # heartbeats and polls: a day (past some thousand years, the times computed overflow datetime)
+PORT = (1, 65_535)  # a TCP port
 
 
 def where(to: str | None, default: str) -> str:
@@ -57,10 +62,17 @@ def where(to: str | None, default: str) -> str:
     return chosen
 
 
-def fail(err: SpecError) -> NoReturn:
-    """Print a user error and exit with code 2."""
+def within(key: str, value: N | None, low: N, high: N) -> N | None:
+    """`value` (None passes) when low <= value <= high, else a SpecError on `key`."""
+    if value is not None and not low <= value <= high:
+        raise SpecError(key, value, f"must be from {low:,} to {high:,}")
+    return value
+
+
+def fail(err: Exception, code: int = 2) -> NoReturn:
+    """Print an error in one line and exit with `code`: 2 for a user error (SpecError), 1 for a stage that failed."""
     typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 def program() -> str:

@@ -26,27 +26,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
+from fedpilot.cli_common import within
 from fedpilot.errors import SpecError, from_validation
 from fedpilot.names import check_name
 from fedpilot.pipeline import PipelineRunner, prepare
-from fedpilot.settings import cache_root, tracking_uri
+from fedpilot.schema import Strict
+from fedpilot.settings import check_cache, check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec, load_pipeline, read_user_yaml
 from fedpilot.tracking import Tracker
 
 SCORES = ("test_acc_mean", "test_acc_p10")
+MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
 COMPARE_TAG = "fedpilot.compare"
 
 
-class ComparisonSpec(BaseModel):
-    """A set file: its name, baseline, seeds (a count or a list), pipeline files and overrides for all of them."""
-
-    model_config = ConfigDict(extra="forbid")
+class ComparisonSpec(Strict):
+    """A set file: its name, baseline, seeds (a count or a list of 1 to MAX_SEEDS), pipeline files and overrides for
+    all of them."""
 
     name: str
     baseline: str
-    seeds: int | list[int] = Field(3)
+    seeds: int | list[int] = Field(3)  # each checked as a pipeline's seed
     pipelines: list[str] = Field(min_length=1)
     overrides: list[str] = Field(default_factory=list)
 
@@ -58,8 +60,8 @@ class ComparisonSpec(BaseModel):
     @field_validator("seeds")
     @classmethod
     def _some_seeds(cls, seeds: int | list[int]) -> int | list[int]:
-        if (isinstance(seeds, int) and seeds < 1) or (isinstance(seeds, list) and not seeds):
-            raise ValueError("at least one seed")
+        if not 1 <= (seeds if isinstance(seeds, int) else len(seeds)) <= MAX_SEEDS:
+            raise ValueError(f"at least one seed, and at most {MAX_SEEDS:,}")
         return seeds
 
     def seed_list(self) -> list[int]:
@@ -70,6 +72,8 @@ def load_comparison(path: Path, seeds: int | None = None, overrides: list[str] |
                     cache_dir: Path | None = None) -> tuple[ComparisonSpec, dict[str, dict[int, PipelineSpec]]]:
     """The set and every (pipeline, seed) spec, each checked as `fedpilot run` checks it (dataset and model built
     into the cache) before anything is recorded; `seeds` (a count) and `overrides` replace / extend the file's."""
+    root = check_cache(cache_dir)
+    check_tracking(reach=True)  # the comparison's own run
     if not path.is_file():
         raise SpecError("set", str(path), "no such file")
     try:
@@ -77,9 +81,7 @@ def load_comparison(path: Path, seeds: int | None = None, overrides: list[str] |
     except ValidationError as err:
         raise from_validation(err, ComparisonSpec) from None
     if seeds is not None:
-        if seeds < 1:
-            raise SpecError("--seeds", seeds, "must be at least 1")
-        comparison.seeds = seeds
+        comparison.seeds = within("--seeds", seeds, 1, MAX_SEEDS)
     extra = [*comparison.overrides, *(overrides or []), f"tracking.experiment={comparison.name}"]
     specs: dict[str, dict[int, PipelineSpec]] = {}
     for i, relative in enumerate(comparison.pipelines):
@@ -93,9 +95,9 @@ def load_comparison(path: Path, seeds: int | None = None, overrides: list[str] |
         specs[name] = runs
     if comparison.baseline not in specs:
         raise SpecError("baseline", comparison.baseline, "not the name of a pipeline of the set", allowed=list(specs))
-    root = cache_dir or cache_root()
     for runs in specs.values():
         for spec in runs.values():
+            check_tracking(spec.tracking.uri)
             prepare(spec, root)
     return comparison, specs
 

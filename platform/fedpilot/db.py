@@ -24,16 +24,11 @@ from sqlalchemy import (
     inspect,
     text,
 )
-from sqlalchemy.exc import (
-    ArgumentError,
-    IntegrityError,
-    NoSuchModuleError,
-    OperationalError,
-    ProgrammingError,
-)
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from fedpilot.errors import SpecError
+from fedpilot.settings import check_database
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 LOST = "lost"  # an attempt whose worker stopped sending heartbeats
@@ -58,20 +53,16 @@ def engine_options(url: str) -> dict[str, Any]:
     return {"pool_pre_ping": True}
 
 
-def connect(url: str) -> Engine:
-    """An engine on the platform database with the `fedpilot_*` tables created; a bad URL is a SpecError."""
-    try:
-        engine = create_engine(url, **engine_options(url))
-    except (ArgumentError, NoSuchModuleError) as err:
-        raise SpecError("--db", url, f"not a usable database URL: {err}") from None
-    except ImportError as err:
-        raise SpecError("--db", url, f"the database driver is missing ({err}); for PostgreSQL: "
-                        "pip install 'psycopg[binary]'") from None
+def connect(url: str, key: str = "--db") -> Engine:
+    """An engine on the platform database with the `fedpilot_*` tables created; a bad URL, or a database that cannot
+    be opened, is a SpecError on `key` (the option or variable that gave the URL)."""
+    check_database(key, url)
+    engine = create_engine(url, **engine_options(url))
     try:
         _create_tables(engine)
     except OperationalError as err:
         shown = engine.url.render_as_string(hide_password=True)
-        raise SpecError("--db", shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
+        raise SpecError(key, shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
     return engine
 
 

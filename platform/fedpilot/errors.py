@@ -39,10 +39,42 @@ def check_finite(value: Any, key: str = "") -> None:
         check_finite(item, f"{key}.{part}" if key else str(part))
 
 
+class StageFailed(Exception):
+    """A stage that cannot go on: its training diverged, or its algorithm asked the engine to train nothing. Its runs
+    are FAILED; the CLI prints this in one line and exits with code 1."""
+
+
+class NothingToTrain(StageFailed):
+    """An algorithm asked the engine to train (or take the gradient of) a part of the model that is empty in its
+    stage's split; `fedpilot validate` refuses such a stage when the algorithm declares what it needs."""
+
+
+class Diverged(StageFailed):
+    """A stage's training loss or aggregated update stopped being finite: resuming would diverge again."""
+
+    def __init__(self, stage: str, round_idx: int, what: str, last_finite_loss: float | None):
+        self.stage, self.round, self.what, self.last_finite_loss = stage, round_idx, what, last_finite_loss
+        last = "none (the first round diverged)" if last_finite_loss is None else f"{last_finite_loss:.6g}"
+        super().__init__(f"stage {stage!r} diverged at round {round_idx}: the {what} is not finite (last finite "
+                         f"training loss: {last}); lower the learning rate (local.lr, server.lr or the algorithm's), "
+                         "add local.clip_norm, or check the data")
+
+
 class DataUnavailable(SpecError):
     """The pipeline's data cannot be reached from here (a hub dataset while offline, not in the local cache): the
     checks that need the data cannot run here. `validate` and `submit` warn and go on (the worker or cluster may
     reach it); `run` stops with exit code 2 before creating anything."""
+
+
+def check_memory(key: str, value: Any, nbytes: int, what: str) -> None:
+    """A SpecError when building `what` needs more memory than this machine has: numpy would fail to allocate
+    it, or the kernel stop the process."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    if nbytes > total:
+        raise SpecError(key, value, f"{what} would take about {nbytes / 2**30:.3g} GiB, more than this machine's "
+                        f"{total / 2**30:.3g} GiB of memory")
 
 
 def did_you_mean(value: Any, allowed: Iterable[Any]) -> str | None:

@@ -5,9 +5,7 @@ imported or instantiated.
 
 from __future__ import annotations
 
-import os
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,17 +30,8 @@ from fedpilot.engine.config import StageConfig
 from fedpilot.errors import SpecError, check_finite, from_validation
 from fedpilot.models.options import PRESETS, validated_options
 from fedpilot.names import check_name
-
-
-def configs_dir() -> Path:
-    """The configs/ tree: $FEDPILOT_CONFIGS, the copy inside an installed wheel, or the checkout's."""
-    if os.environ.get("FEDPILOT_CONFIGS"):
-        return Path(os.environ["FEDPILOT_CONFIGS"]).resolve()
-    packaged = Path(str(resources.files("fedpilot"))) / "configs"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "configs"
-
+from fedpilot.schema import Seed, Strict
+from fedpilot.settings import SQL_INT_MAX, configs_dir, tracking_scheme
 
 # Limits on what a pipeline file and its overrides may be, checked before Hydra or OmegaConf touch them: a YAML
 # alias bomb ("billion laughs") is a few hundred bytes that expands to billions of nodes, and OmegaConf builds
@@ -54,6 +43,10 @@ MAX_YAML_DEPTH = 50  # nesting of mappings and lists (every check below walks th
 MAX_OVERRIDES = 100  # overrides on one command line
 MAX_OVERRIDE_CHARS = 1_000  # characters of one override (key=value)
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it: the same YAML, faster
+# The types the numbers of a pipeline end up in: the engine computes in float32 (a larger factor, such as an lr or a
+# weight decay, fails inside torch), and torch's counts and sizes, numpy's and SQL's integers are 64-bit.
+FLOAT32_MAX = 3.4028234663852886e38
+INT64 = (-(2**63), 2**63 - 1)
 
 
 def config_groups() -> dict[str, list[str]]:
@@ -82,7 +75,8 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
         with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
             cfg = compose(config_name=path.stem,
                           overrides=[search, *(_add_or_override(o, groups) for o in overrides)])
-    except (HydraException, OmegaConfBaseException) as err:
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as err:
+        # Hydra's own errors, and the plain ones it raises where an override does not fit the config
         raise _compose_error(err, path, overrides) from None
     try:
         composed = OmegaConf.to_container(cfg, resolve=True)
@@ -90,8 +84,26 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
         raise _interpolation_error(err, cfg, path) from None
     if not isinstance(composed, dict):
         raise SpecError("pipeline", str(path), "a pipeline is a mapping of keys to values")
-    check_finite(composed)
+    check_numbers(composed)
     return _own_model_options(composed, user, overrides)
+
+
+def check_numbers(value: Any, key: str = "") -> None:
+    """Every number anywhere in `value` is finite (check_finite) and, outside the dataset (numpy takes its numbers in
+    float64, and its keys have their own bounds), fits the engine's types: a float within float32's range, an integer
+    within int64's; else a SpecError naming its dotted key path (lists by index)."""
+    if isinstance(value, dict | list | tuple):
+        for part, item in value.items() if isinstance(value, dict) else enumerate(value):
+            check_numbers(item, f"{key}.{part}" if key else str(part))
+        return
+    check_finite(value, key)
+    if key.split(".", 1)[0] == "dataset":
+        return
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        raise SpecError(key or "value", value, f"past float32's largest number ({FLOAT32_MAX:.6g}), which the engine "
+                        "computes in")
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise SpecError(key or "value", value, "past a 64-bit integer, which torch's sizes and counts are")
 
 
 def _own_model_options(composed: dict[str, Any], user: dict[str, Any], overrides: list[str] | tuple[str, ...]
@@ -100,7 +112,8 @@ def _own_model_options(composed: dict[str, Any], user: dict[str, Any], overrides
     group it composed (`model: {name: transformer}` over `defaults: [{model: mlp}]`), the group's options (mlp's
     `hidden`) are dropped and only the options the user gave stay."""
     model = composed.get("model")
-    choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "model"), None)
+    chosen = (OverridesParser.create().parse_override(o) for o in overrides if o.split("=", 1)[0].lstrip("+") == "model")
+    choice = next((override.value() for override in chosen), None)  # parsed: `model='mlp'` chooses mlp
     choice = choice or next((d["model"] for d in user.get("defaults", []) if isinstance(d, dict) and "model" in d),
                             None)
     if not isinstance(model, dict) or choice is None:
@@ -289,11 +302,23 @@ def check_overrides(overrides: list[str] | tuple[str, ...], groups: dict[str, li
             raise SpecError("override", text, "a sweep is not one value (quote a value with commas; tune with a "
                             "search: block)")
         if parsed.is_delete():
-            continue
-        if key in groups:
+            check_deletion(text, key, parsed.value(), groups)
+        elif key in groups:
             check_choice(key, key, parsed.value(), groups)
         else:
             check_no_resolvers(parsed.value(), key)
+
+
+def check_deletion(text: str, key: str, value: Any, groups: dict[str, list[str]]) -> None:
+    """`~key` deletes a mapping's key (`~key=value` only if it holds that value); `~group` or `~group=choice`
+    deletes a configs/ group. A list's entry cannot be deleted (Hydra fails on it): the whole list is set instead."""
+    if any(part.isdigit() for part in key.split(".")):
+        raise SpecError("override", text, "an entry of a list cannot be deleted; set the whole list instead, e.g. "
+                        f"{key.rsplit('.', 1)[0]}=[...]")
+    if key in groups and value is not None:
+        check_choice(key, key, value, groups)
+    elif value is not None:
+        check_no_resolvers(value, key)
 
 
 def _compose_error(err: Exception, path: Path, overrides: list[str] | tuple[str, ...]) -> SpecError:
@@ -331,10 +356,6 @@ def _yaml_problem(err: Exception) -> str:
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ModelSpec(BaseModel):
@@ -417,6 +438,13 @@ class TrackingSpec(Strict):
     def _named(cls, experiment: str | None) -> str | None:
         return experiment if experiment is None else check_name("tracking.experiment", experiment)
 
+    @field_validator("uri")
+    @classmethod
+    def _openable(cls, uri: str | None) -> str | None:
+        if uri is not None:
+            tracking_scheme("tracking.uri", uri)  # the rest (its folder, driver, server) is checked where it is used
+        return uri
+
 
 STATS = ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")
 FOOTPRINTS = ("shared_bytes", "personal_bytes_per_client", "personal_bank_bytes", "comm_bytes_per_round",
@@ -469,6 +497,8 @@ class Param(Strict):
             raise ValueError(f"log scale needs low > 0 (low={self.low:g})")
         if self.log and self.step is not None:
             raise ValueError("give `log` or `step`, not both")
+        if self.type == "int" and not all(float(v).is_integer() for v in (self.low, self.high, self.step or 1)):
+            raise ValueError("an int parameter's low, high and step are whole numbers")
         return self
 
 
@@ -495,8 +525,10 @@ class Objective(Strict):
 
 
 class SamplerSpec(Strict):
+    """Optuna's sampler and its seed (at most SEED_MAX: Optuna's samplers seed numpy's RandomState)."""
+
     kind: Literal["tpe", "random", "nsga2"] = "tpe"
-    seed: int = 0
+    seed: Seed = 0
 
 
 class PrunerSpec(Strict):
@@ -513,7 +545,7 @@ class SearchSpec(Strict):
     study: str | None = None
     space: dict[str, Param] = Field(min_length=1)
     objective: list[Objective] = Field(min_length=1)
-    trials: int = Field(20, ge=1)
+    trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
@@ -591,10 +623,11 @@ class SlurmSpec(Strict):
 
 
 class PipelineSpec(Strict):
-    """A whole pipeline: data, model, personalization, ordered stages, seed, evaluation, tracking."""
+    """A whole pipeline: data, model, personalization, ordered stages, seed (0 to SEED_MAX: what numpy, scikit-learn
+    and torch take), evaluation, tracking."""
 
     name: str
-    seed: int = 0
+    seed: Seed = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     devices: int = Field(1, ge=1)  # > 1: Lightning DDP, each round's cohort split across that many GPUs (or CPU processes)
     nodes: int = Field(1, ge=1)  # > 1: that many Slurm nodes with `devices` processes each (fedpilot submit --to slurm)
@@ -615,13 +648,14 @@ class PipelineSpec(Strict):
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelineSpec:
         """Validate a composed pipeline; algorithm params are checked and completed by the algorithm's Params.
-        Stage names follow the one name pattern, personalization regexes compile, every number is finite."""
-        check_finite(raw)
+        Stage names follow the one name pattern, personalization regexes compile, every number is finite and fits
+        the engine's types (check_numbers)."""
+        check_numbers(raw)
         try:
             spec = cls.model_validate(raw)
         except ValidationError as err:
             raise from_validation(err, cls) from None
-        check_finite(spec.model_dump())  # also values pydantic parsed from strings such as "inf"
+        check_numbers(spec.model_dump())  # also values pydantic parsed from strings such as "inf"
         _check_regexes(spec.personalization, "personalization")
         for i, stage in enumerate(spec.stages):
             stage.params = _algorithm_params(stage.algorithm, stage.params, f"stages.{i}")
@@ -644,6 +678,20 @@ class PipelineSpec(Strict):
         return data
 
 
+class SeedSpec(Strict):
+    """A pipeline's `seed` alone (`fedpilot data describe` builds the dataset without validating the rest)."""
+
+    seed: Seed = 0
+
+
+def pipeline_seed(composed: dict[str, Any]) -> int:
+    """The `seed` of a composed pipeline, validated as PipelineSpec validates it."""
+    try:
+        return SeedSpec.model_validate({"seed": composed.get("seed", 0)}).seed
+    except ValidationError as err:
+        raise from_validation(err, SeedSpec) from None
+
+
 def _check_regexes(personalization: PersonalizationSpec, key: str) -> None:
     """Every name regex of a personalization list compiles."""
     for pattern in personalization.split if isinstance(personalization.split, list) else []:
@@ -662,7 +710,7 @@ def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, 
         validated = params_cls.model_validate(params)
     except ValidationError as err:
         raise from_validation(err, params_cls, f"{key}.params") from None
-    check_finite(validated.model_dump(), f"{key}.params")
+    check_numbers(validated.model_dump(), f"{key}.params")
     return validated.model_dump(mode="json")
 
 

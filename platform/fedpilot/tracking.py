@@ -28,14 +28,18 @@ import sqlalchemy
 from lightning.pytorch.callbacks import Callback
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.utils.file_utils import local_file_uri_to_path
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot import plots
 from fedpilot.errors import SpecError
+from fedpilot.settings import hidden, sqlite_file, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
 CACHE_SOURCE_TAG = "fedpilot.cache_source"  # a stage reused from the cache: the run that trained it
+ERROR_TAG = "fedpilot.error"  # a FAILED or KILLED run: the error's type and message
+RESUMABLE_TAG = "fedpilot.resumable"  # "false" on a run that failed for good (a stage diverged): --resume refuses it
 SPEC_ARTIFACT, CLIENTS_TABLE = "pipeline.json", "clients.json"
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
 NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page
@@ -49,8 +53,9 @@ def schema_init_lock(url: str) -> Iterator[None]:
     """Serialize the first use of a database by several processes: MLflow's and Optuna's schema creation race
     otherwise ("duplicate column name", "type already exists"). SQLite: a lock file beside the database;
     PostgreSQL: an advisory lock; anything else (an MLflow server over HTTP) needs none."""
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).with_suffix(".init.lock")
+    database = sqlite_file(url)
+    if database is not None:
+        path = database.with_suffix(".init.lock")
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -100,7 +105,7 @@ def close_orphans(uri: str, run_id: str, reason: str) -> None:
     for child in client.search_runs([run.info.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{run_id}'"):
         close_orphans(uri, child.info.run_id, reason)
     if run.info.status == "RUNNING":
-        client.set_tag(run_id, "fedpilot.error", reason)
+        client.set_tag(run_id, ERROR_TAG, reason)
         client.set_terminated(run_id, "KILLED")
 
 
@@ -151,7 +156,11 @@ class Tracker:
         self._logged: dict[str, dict[str, int]] = {}  # resumed run -> metric key -> last step its store holds
         with schema_init_lock(uri):
             self.client = MlflowClient(uri)
-            found = self.client.get_experiment_by_name(experiment)
+            try:
+                found = self.client.get_experiment_by_name(experiment)
+            except MlflowException as err:  # the first request: a server that refuses these credentials, say
+                problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise SpecError(tracking_key(uri), hidden(uri), f"cannot open the tracking store: {problem}") from None
             kind, value = EXPERIMENT_KIND
             if found is None:
                 self.experiment_id = self.client.create_experiment(experiment, tags={kind: value})
@@ -230,7 +239,7 @@ class Tracker:
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         for run_id in run_ids:
             self.client.log_text(run_id, text, "error.txt")
-            self.client.set_tag(run_id, "fedpilot.error", f"{type(error).__name__}: {error}"[:5000])
+            self.client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:5000])
             self.client.set_terminated(run_id, "KILLED" if isinstance(error, STOPPED) else "FAILED")
 
     @contextmanager
@@ -338,5 +347,8 @@ def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
         raise SpecError("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
     if "fedpilot.pipeline" not in run.data.tags:
         raise SpecError("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
+    if run.data.tags.get(RESUMABLE_TAG) == "false":
+        raise SpecError("--resume", run_id, "this run cannot be resumed, it would fail the same way again: "
+                        f"{run.data.tags.get(ERROR_TAG, 'see its error.txt')}")
     with tempfile.TemporaryDirectory() as tmp:
         return json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())

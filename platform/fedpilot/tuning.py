@@ -31,10 +31,11 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import Lease, connect, engine_options
-from fedpilot.errors import SpecError
+from fedpilot.errors import Diverged, SpecError
 from fedpilot.pipeline import PipelineRunner
 from fedpilot.report import log_report, short_keys
-from fedpilot.settings import tracking_uri
+from fedpilot.schema import SEED_MAX
+from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
 from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
 
@@ -53,9 +54,10 @@ def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
 
 
 def make_sampler(spec: PipelineSpec, offset: int = 0) -> optuna.samplers.BaseSampler:
-    """The search's sampler seeded with `seed + offset` (the trial count: distinct seeds across processes)."""
+    """The search's sampler seeded with `seed + offset` (the trial count: distinct seeds across processes), wrapped
+    into the seeds numpy's RandomState takes (0 to SEED_MAX)."""
     sampler = spec.search.sampler
-    seed = sampler.seed + offset
+    seed = (sampler.seed + offset) % (SEED_MAX + 1)
     if sampler.kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler.kind == "nsga2":
@@ -162,9 +164,7 @@ class Search:
         self.spec, self.search, self.cache_dir, self.echo = spec, spec.search, cache_dir, echo
         self.trials = trials or self.search.trials
         self.study_name = study or self.search.study
-        if not storage_url.startswith(("sqlite", "postgresql", "mysql")):
-            raise SpecError("--storage", storage_url, "an SQLAlchemy database URL (sqlite:///file.db, "
-                            "postgresql+psycopg://user@host/db)")
+        check_database("--storage", storage_url)
         directions = [o.direction for o in self.search.objective]
         with schema_init_lock(storage_url):
             storage = RDBStorage(storage_url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
@@ -237,6 +237,11 @@ class Search:
         except optuna.TrialPruned:
             self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
             raise
+        except Diverged as err:  # a step size too large for the space: the trial counts, as the worst, and the
+            # search goes on (its run is FAILED); a failed trial would be retried for ever
+            self.echo(f"trial {trial.number}: {_short(values)} -> diverged ({time.perf_counter() - start:.1f} s): "
+                      f"{err}")
+            raise optuna.TrialPruned(str(err)) from None
         finally:
             self.rounds_trained += runner.rounds_trained
         objectives = [self._value(result, o) for o in self.search.objective]

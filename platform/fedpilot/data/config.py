@@ -10,10 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     SerializeAsAny,
     ValidationError,
@@ -23,28 +20,12 @@ from pydantic import (
 
 from fedpilot.errors import SpecError, check_finite, from_validation
 from fedpilot.registry import Registry
+from fedpilot.schema import Seed, Strict, at_most
 
 if TYPE_CHECKING:
     from fedpilot.data.sources import RawData
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def at_most(limit: float, why: str) -> AfterValidator:
-    """An upper bound that a library or a number type sets: its error says the bound and why."""
-    def check(value: float) -> float:
-        if value > limit:
-            raise ValueError(f"must be at most {limit} ({why})")
-        return value
-
-    return AfterValidator(check)
-
-
-# a plugin source gets the dataset's seed: one that every library takes
-Seed = Annotated[int, Field(ge=0),
-                 at_most(2**32 - 1, "numpy's RandomState and scikit-learn take no larger seed")]
 Scale = Annotated[float, Field(ge=0),
                   at_most(1e30, "larger normal scales make float32 features or float64 logits overflow")]
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from fedpilot.data.config import DatasetSpec, Source
 from fedpilot.data.partition import partition, split_client
-from fedpilot.data.sources import RawData, check_memory, load_source
-from fedpilot.errors import SpecError
+from fedpilot.data.sources import RawData, load_source
+from fedpilot.errors import SpecError, check_memory
 from fedpilot.settings import cache_root
 
 FORMAT_VERSION = 3  # bump when the stored layout or the build algorithm changes

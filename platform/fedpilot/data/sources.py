@@ -10,7 +10,6 @@ import socket
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -24,7 +23,7 @@ from fedpilot.data.config import (
     Source,
     SyntheticSource,
 )
-from fedpilot.errors import DataUnavailable, SpecError
+from fedpilot.errors import DataUnavailable, SpecError, check_memory
 from fedpilot.settings import cache_root
 
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
@@ -135,17 +134,6 @@ def _synthetic_fits(spec: SyntheticSource, rows: int, largest: int) -> None:
     nbytes = rows * spec.dim * (8 + 8 + 4) + (spec.dim + largest) * spec.classes * 8
     check_memory("dataset.source", options, nbytes,
                  f"{rows:,} samples of {spec.dim:,} features and {spec.classes:,} classes")
-
-
-def check_memory(key: str, value: Any, nbytes: int, what: str) -> None:
-    """A SpecError when building `what` needs more memory than this machine has: numpy would fail to allocate
-    it, or the kernel stop the process."""
-    import psutil
-
-    total = psutil.virtual_memory().total
-    if nbytes > total:
-        raise SpecError(key, value, f"{what} need about {nbytes / 2**30:.3g} GiB, more than this machine's "
-                        f"{total / 2**30:.3g} GiB of memory")
 
 
 def digits() -> RawData:

@@ -5,16 +5,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ByteSize,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, ValidationError, model_validator
+
+from fedpilot.schema import Strict
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
@@ -33,12 +26,7 @@ def _byte_count(value: object) -> int:
 
 
 Bytes = Annotated[int, BeforeValidator(_byte_count)]
-
-
-class Strict(BaseModel):
-    """A settings block that rejects unknown keys."""
-
-    model_config = ConfigDict(extra="forbid")
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class LrSchedule(Strict):
@@ -88,13 +76,14 @@ class LocalConfig(Strict):
 class ServerConfig(Strict):
     """Server optimizer on the shared parameters, the aggregate being its pseudo-gradient.
 
-    sgd with lr 1 and momentum 0 is FedAvg; momentum > 0 is FedAvgM; adam is FedAdam (Reddi et al. 2021).
+    sgd with lr 1 and momentum 0 is FedAvg; momentum > 0 is FedAvgM; adam is FedAdam (Reddi et al. 2021). Adam's
+    `betas` are each in [0, 1): torch.optim.Adam refuses others.
     """
 
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(1.0, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Beta, Beta] = (0.9, 0.99)
     eps: float = Field(1e-3, gt=0)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from fedpilot.schema import Strict
 
 if TYPE_CHECKING:
     import torch
@@ -75,10 +75,9 @@ class ReducibleAggregator(Aggregator):
         """Sum this process's state with every other process's."""
 
 
-class AlgorithmParams(BaseModel):
-    """Hyperparameters of an algorithm: pydantic fields with their defaults (the one place defaults live)."""
-
-    model_config = ConfigDict(extra="forbid")
+class AlgorithmParams(Strict):
+    """Hyperparameters of an algorithm: pydantic fields with their defaults (the one place defaults live); unknown
+    keys and true/false for a number are refused."""
 
 
 class StatefulParams(AlgorithmParams):
@@ -86,6 +85,10 @@ class StatefulParams(AlgorithmParams):
     personal part at every participation from the stage's starting value, and keeps nothing (paper 000, App. C.4)."""
 
     stateful: bool = True
+
+
+Part = Literal["personal", "shared"]
+PERSONAL_AND_SHARED: frozenset[Part] = frozenset({"personal", "shared"})
 
 
 class Algorithm(ABC):
@@ -96,12 +99,16 @@ class Algorithm(ABC):
       visits_each_client_once  the stage is one pass over all clients (fine-tuning) instead of sampled rounds
       personal_copy            every parameter is both global (`cohort.shared`, aggregated) and personal (each
                                client's copy, `cohort.personal`); clients are evaluated with their copy (Ditto)
+      needs                    what the algorithm needs of its stage's split: "personal" (at least one personal
+                               parameter), "shared" (at least one shared parameter); `fedpilot validate` refuses a
+                               stage whose split leaves a needed part empty (a property where it depends on Params)
     """
 
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     visits_each_client_once: ClassVar[bool] = False
     personal_copy: ClassVar[bool] = False
+    needs: ClassVar[frozenset[Part]] = frozenset()
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
         self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli_common import (
+    PARALLEL_MAX,
+    PERIOD_MAX_S,
     Account,
     AsJson,
     Cpus,
@@ -25,19 +27,21 @@ from fedpilot.cli_common import (
     print_json,
     program,
     where,
+    within,
 )
 from fedpilot.errors import SpecError
+from fedpilot.settings import SQL_INT_MAX
 
 schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
                            no_args_is_help=True)
 
 
-def _engine(db: str | None):
-    """The platform database engine (tables created) for `--db`."""
+def _engine(db: str | None, option: str = "--db"):
+    """The platform database engine (tables created) for `option`'s value, else $FEDPILOT_DB."""
     from fedpilot.db import connect
-    from fedpilot.settings import platform_db_url
+    from fedpilot.settings import platform_db
 
-    return connect(platform_db_url(db))
+    return connect(*platform_db(db, option))
 
 
 def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
@@ -54,27 +58,28 @@ def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
         typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
 
-def send(fields: dict, to: str, flags: dict, parallel: int, db: str | None) -> list[int]:
+def send(fields: dict, to: str, flags: dict, parallel: int, db: str | None, option: str = "--db") -> list[int]:
     """Queue a validated job (jobs.queue.prepare) `parallel` times, on this queue or as a Slurm job (an array when
-    `parallel` > 1) with the Slurm options `flags`; the job ids (Slurm's ids are told on stderr)."""
+    `parallel` > 1) with the Slurm options `flags`, in the platform database `option` (its value `db`) names; the job
+    ids (Slurm's ids are told on stderr)."""
     from fedpilot.jobs.queue import submit as queue
-    from fedpilot.settings import platform_db_url
+    from fedpilot.settings import platform_db
 
-    url = platform_db_url(db)
+    url, _ = platform_db(db, option)
     if parallel > 1 and fields["kind"] != "search":
         raise SpecError("--parallel", parallel, "only a search runs in parallel (trial workers of one study)")
     if to == "slurm":
         from fedpilot.jobs.slurm import absolute_db, enqueue, options
 
         slurm = options(json.loads(fields["spec"]).get("slurm"), flags)
-        sent = enqueue(_engine(url), absolute_db(url), fields, slurm, parallel)
+        sent = enqueue(_engine(db, option), absolute_db(url), fields, slurm, parallel)
         for job_id, slurm_id in sent:
             typer.echo(f"job {job_id}: Slurm job {slurm_id}", err=True)
         return [job_id for job_id, _ in sent]
     given = [f"--{k}" for k, v in flags.items() if v is not None]
     if given:
         raise SpecError(given[0], flags[given[0][2:]], "a Slurm option: add --to slurm")
-    engine = _engine(url)
+    engine = _engine(db, option)
     return [queue(engine, fields) for _ in range(parallel)]
 
 
@@ -95,11 +100,14 @@ def submit(
     to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
     print the job ids (alone on stdout, for scripts)."""
     from fedpilot.jobs.queue import prepare
+    from fedpilot.settings import platform_db
 
     flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
              "qos": qos}
     try:
         target = where(to, "queue")
+        within("--parallel", parallel, 1, PARALLEL_MAX)
+        platform_db(db)  # checked before the pipeline's data is built; the job is stored once the pipeline passed
         fields = prepare(pipeline, overrides or [], search, trials, here=target != "slurm")
         ids = send(fields, target, flags, parallel, db)
     except SpecError as err:
@@ -146,6 +154,7 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
     from fedpilot.jobs.queue import show_job
 
     try:
+        within("JOB_ID", job_id, 1, SQL_INT_MAX)
         engine = _engine(db)
         row = show_job(engine, job_id)
     except SpecError as err:
@@ -178,6 +187,7 @@ def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot subm
     from fedpilot.jobs.queue import cancel as cancel_job
 
     try:
+        within("JOB_ID", job_id, 1, SQL_INT_MAX)
         status = cancel_job(_engine(db), job_id)
     except SpecError as err:
         fail(err)
@@ -188,21 +198,28 @@ def worker(
     db: Db = None,
     exit_when_idle: Annotated[bool, typer.Option("--exit-when-idle", help="Return once no job is queued (or "
                                                                           "waiting to be recovered).")] = False,
-    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at an empty queue.")] = 5.0,
-    heartbeat_seconds: Annotated[float, typer.Option(min=0.01, help="Heartbeat and cancel-check period while a "
+    poll_seconds: Annotated[float, typer.Option(help="Wait between looks at an empty queue (0.01 to 86400 "
+                                                    "for this and the two below).")] = 5.0,
+    heartbeat_seconds: Annotated[float, typer.Option(help="Heartbeat and cancel-check period while a "
                                                                      "job runs.")] = 10.0,
-    grace_seconds: Annotated[float, typer.Option(min=0.01, help="A running job whose heartbeat is older than this "
+    grace_seconds: Annotated[float, typer.Option(help="A running job whose heartbeat is older than this "
                                                                 "belongs to a dead worker and is queued again "
                                                                 "(failed after 3 attempts).")] = 60.0,
     name: Annotated[str | None, typer.Option(help="Worker name shown by `fedpilot jobs` (default host:pid).")] = None,
 ) -> None:
     """Run queued jobs one at a time, each in a child process (`fedpilot run` or `fedpilot search`)."""
+    from fedpilot.db import connect
     from fedpilot.jobs.queue import default_worker_name, work
-    from fedpilot.settings import platform_db_url
+    from fedpilot.settings import check_cache, check_tracking, platform_db
 
-    url = platform_db_url(db)
     try:
-        engine = _engine(url)
+        for option, seconds in (("--poll-seconds", poll_seconds), ("--heartbeat-seconds", heartbeat_seconds),
+                                ("--grace-seconds", grace_seconds)):
+            within(option, seconds, 0.01, PERIOD_MAX_S)
+        url, key = platform_db(db)
+        check_tracking(reach=True)  # what the jobs' runs record to, and their cache
+        check_cache()
+        engine = connect(url, key)
     except SpecError as err:
         fail(err)
     ran = work(engine, url, name=name or default_worker_name(), poll_seconds=poll_seconds,
@@ -213,13 +230,16 @@ def worker(
 def scheduler(
     db: Db = None,
     once: Annotated[bool, typer.Option("--once", help="Fire what is due now and return.")] = False,
-    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Wait between looks at the schedules.")] = 30.0,
+    poll_seconds: Annotated[float, typer.Option(help="Wait between looks at the schedules (0.01 to 86400).")] = 30.0,
 ) -> None:
     """Fire due schedules: each firing queues a search job adding the schedule's trials to its study. It logs its
     start (the schedules it watches) and each firing."""
     from fedpilot.jobs.schedule import serve, watching
+    from fedpilot.settings import check_cache
 
     try:
+        within("--poll-seconds", poll_seconds, 0.01, PERIOD_MAX_S)
+        check_cache()  # a schedule --to slurm writes its jobs' logs there
         engine = _engine(db)
     except SpecError as err:
         fail(err)
@@ -253,7 +273,7 @@ def schedule_add(
     slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
     from fedpilot.jobs.schedule import first_firings, plan, store
     from fedpilot.pipeline import prepare
-    from fedpilot.settings import cache_root
+    from fedpilot.settings import check_cache, platform_db
 
     flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
              "qos": qos}
@@ -261,6 +281,9 @@ def schedule_add(
         target = where(to, "queue")
         if target != "slurm" and (any(v is not None for v in flags.values()) or parallel > 1):
             raise SpecError("--to", target, "Slurm options and --parallel need --to slurm")
+        within("--parallel", parallel, 1, PARALLEL_MAX)
+        root = check_cache()
+        platform_db(db)  # checked before the pipeline's data is built; the schedule is stored once it passed
         schedule, spec = plan(pipeline, overrides or [], cron, trials, name)
         if target == "slurm":
             from fedpilot.jobs.slurm import options, parameters
@@ -269,7 +292,7 @@ def schedule_add(
             parameters(spec.resolved(), chosen, spec.name)  # GPUs against devices, before anything is stored
             schedule.backend, schedule.slurm = "slurm", json.dumps({**chosen.model_dump(exclude_defaults=True),
                                                                     "parallel": parallel})
-        prepare(spec, cache_root(), here=target != "slurm")  # every check a firing's search makes, before storing
+        prepare(spec, root, here=target != "slurm")  # every check a firing's search makes, before storing
         store(_engine(db), schedule)
     except SpecError as err:
         fail(err)

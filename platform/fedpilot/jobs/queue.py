@@ -37,7 +37,7 @@ from fedpilot.db import (
 from fedpilot.errors import SpecError
 from fedpilot.jobs.result_file import read_result
 from fedpilot.registry import plugin_distributions
-from fedpilot.settings import DEFAULT_TRACKING_URI
+from fedpilot.settings import DEFAULT_TRACKING_URI, tracking_uri
 
 MAX_ATTEMPTS = 3
 TAIL_CHARS = 4000
@@ -49,15 +49,15 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, 
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere). With
     `here` off (a Slurm job) the devices it asks for need not exist on this machine."""
-    from fedpilot.cli_common import checked
+    from fedpilot.cli_common import checked, within
     from fedpilot.pipeline import prepare as check
-    from fedpilot.settings import cache_root
+    from fedpilot.settings import SQL_INT_MAX, check_cache
     from fedpilot.spec import load_pipeline
 
-    if trials is not None and trials < 1:
-        raise SpecError("--trials", trials, "must be at least 1")
+    within("--trials", trials, 1, SQL_INT_MAX)
+    root = check_cache()
     spec = load_pipeline(path, overrides)
-    checked(lambda: check(spec, cache_root(), here))
+    checked(lambda: check(spec, root, here))
     resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:
@@ -279,7 +279,7 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
     child (scancel). `started(proc)` sees the child; `ended(exit code)` may name the status and error of an exit
     (a Slurm job stopped for a requeue is queued again, not failed)."""
     spec = json.loads(job.spec)
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or (spec.get("tracking") or {}).get("uri") or DEFAULT_TRACKING_URI
+    uri = tracking_uri((spec.get("tracking") or {}).get("uri"))
     _record_plugins(engine, job, worker, spec)
     with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
         spec_file, result_file = Path(tmp) / f"job-{job.id}.yaml", Path(tmp) / "result.json"

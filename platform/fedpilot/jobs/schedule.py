@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from fedpilot.db import QUEUED, Firing, Job, Schedule, engine_options, session_factory, utcnow
 from fedpilot.errors import SpecError
 from fedpilot.names import check_name
+from fedpilot.settings import SQL_INT_MAX
 
 if TYPE_CHECKING:
     from fedpilot.spec import PipelineSpec
@@ -45,11 +46,11 @@ def check_cron(cron: str, now: datetime | None = None) -> CronTrigger:
 def plan(path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
          now: datetime | None = None) -> tuple[Schedule, PipelineSpec]:
     """A schedule checked but not stored (study = its name, default the search block's study), and its pipeline."""
+    from fedpilot.cli_common import within
     from fedpilot.spec import load_pipeline
 
     check_cron(cron, now)
-    if trials < 1:
-        raise SpecError("--trials", trials, "must be at least 1")
+    within("--trials", trials, 1, SQL_INT_MAX)
     if name is not None:
         check_name("--name", name)
     spec = load_pipeline(path, overrides)

@@ -47,7 +47,7 @@ from fedpilot.db import (
 )
 from fedpilot.errors import SpecError
 from fedpilot.jobs.queue import TAIL_CHARS, close_runs, execute, request_cancel, submit
-from fedpilot.settings import cache_root
+from fedpilot.settings import cache_root, sqlite_file
 from fedpilot.spec import SlurmSpec, slurm_minutes
 
 SLURM = "slurm"
@@ -113,10 +113,11 @@ def parameters(spec: dict[str, Any], slurm: SlurmSpec, name: str) -> dict[str, A
 
 def absolute_db(url: str) -> str:
     """A SQLite URL with its file made absolute (the job may start in another directory); others as they are."""
-    prefix = "sqlite:///"
-    if url.startswith(prefix) and not url[len(prefix):].startswith("/") and url[len(prefix):] != ":memory:":
-        return prefix + str(Path(url[len(prefix):]).resolve())
-    return url
+    path = sqlite_file(url)
+    if path is None or path.is_absolute():
+        return url
+    _, sep, query = url.partition("?")
+    return f"sqlite:///{path.resolve()}{sep}{query}"
 
 
 # ---- submitting ------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from importlib import import_module
 from typing import Any
 
 from fedpilot.engine.protocol import (
+    PERSONAL_AND_SHARED,
     Aggregator,
     Algorithm,
     AlgorithmParams,
@@ -37,14 +38,14 @@ _LAZY = {
     "LocalConfig": "fedpilot.engine.config",  # the stage's `local` block (cohort.local)
     "round_generator": "fedpilot.engine.batches",  # a torch.Generator seeded by (seed, stage, round, ...)
     "Params": "fedpilot.engine.local",  # dict[str, torch.Tensor]: parameters by name
-    "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model subclasses it
+    "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model returns one or subclasses it
     "Source": "fedpilot.data.config",  # a dataset source: options (pydantic fields) and `load`
     "RawData": "fedpilot.data.sources",  # what a source's `load` returns: features, targets, natural clients
     "Task": "fedpilot.engine.task",  # what outputs are scored by: loss, per-sample metrics
 }
 
-__all__ = ["Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo", "SpecError",
-           "StatefulParams", "Upload",
+__all__ = ["PERSONAL_AND_SHARED", "Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo",
+           "SpecError", "StatefulParams", "Upload",
            *_LAZY]
 
 

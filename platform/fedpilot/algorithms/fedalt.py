@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -37,6 +37,7 @@ class FedAlt(Algorithm):
 
     name = "fedalt"
     Params = FedAltParams
+    needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
         cohort.personal = cohort.sgd("personal", lr=self.p.lr_v, steps=self.p.tau_v).personal

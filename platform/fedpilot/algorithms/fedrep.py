@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -38,6 +38,7 @@ class FedRep(Algorithm):
 
     name = "fedrep"
     Params = FedRepParams
+    needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
         cohort.personal = cohort.sgd("personal", lr=self.p.lr_head, epochs=self.p.head_epochs).personal

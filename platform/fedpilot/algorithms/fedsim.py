@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -28,6 +28,7 @@ class FedSim(Algorithm):
 
     name = "fedsim"
     Params = FedSimParams
+    needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
         local = cohort.sgd("all", lr={"shared": self.p.lr_u, "personal": self.p.lr_v}, steps=self.p.tau)

@@ -113,7 +113,10 @@ class RobustFfggParams(FfggParams):
 
 
 class Stateless(Algorithm):
-    """FFGG's clients keep nothing: w restarts from the stage's starting value at every participation."""
+    """FFGG's clients keep nothing: w restarts from the stage's starting value at every participation. A shared
+    part theta is needed; a personal part w is not (without one FFGG is distributed gradient descent)."""
+
+    needs = frozenset({"shared"})
 
     @property
     def stateful(self) -> bool:

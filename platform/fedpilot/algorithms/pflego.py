@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, StatefulParams, Upload, WeightedMean
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, WeightedMean
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,7 @@ class Pflego(Algorithm):
 
     name = "pflego"
     Params = PflegoParams
+    needs = PERSONAL_AND_SHARED
 
     def aggregator(self) -> WeightedSum:
         return WeightedSum()

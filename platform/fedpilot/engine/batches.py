@@ -55,11 +55,13 @@ def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generat
 
 
 def epoch_plan(offsets: torch.Tensor, sizes: torch.Tensor, epochs: float, batch: int, gen: torch.Generator) -> BatchPlan:
-    """`epochs` passes over each client's samples in batches of `batch` (the last batch of a pass may be short).
+    """`epochs` passes over each client's samples in batches of `batch` (the last batch of a pass may be short; a
+    batch larger than every client is the whole client: the plan is no wider than the largest client).
 
     A fractional epoch count keeps the first ceil(fraction * steps per epoch) steps of the last pass.
     """
     n_max = int(sizes.max())
+    batch = max(1, min(batch, n_max))
     per_epoch = math.ceil(n_max / batch)
     passes = math.ceil(epochs)
     order = _orderings(sizes, passes, per_epoch * batch, gen)

@@ -31,6 +31,7 @@ from fedpilot.engine.local import (
 )
 from fedpilot.engine.sequential import SequentialExecutor
 from fedpilot.engine.task import Task
+from fedpilot.errors import NothingToTrain
 from fedpilot.models.split import ParamSplit
 
 Part = Literal["personal", "shared", "all"]
@@ -237,11 +238,15 @@ class Cohort:
         return Local(shared=new_shared, personal=personal)
 
     def _assign(self, train: Part, shared: Params, per_client_shared: bool) -> tuple[Params, Params, Params]:
-        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..].
+        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..]; an empty
+        `train` part is an error (no executor runs on empty work).
 
         With a personal copy (names both shared and personal, Ditto) the trained copy is the whole model: the
         personal part trains the personal copy, the shared part the global one, and `all` is not defined.
         """
+        if not {"personal": self.personal, "shared": shared}.get(train, {**shared, **self.personal}):
+            raise NothingToTrain(f"the algorithm asked to train the {train!r} part of the model, which this stage's "
+                                 "split leaves empty")
         k = len(self.clients)
         batched_shared = shared if per_client_shared else {n: v.expand(k, *v.shape) for n, v in shared.items()}
         if train == "personal":

@@ -27,11 +27,14 @@ from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
 from fedpilot.engine.timing import fastest
+from fedpilot.errors import Diverged, NothingToTrain, StageFailed
 from fedpilot.models.split import ParamSplit
 
 
 class _Rounds(IterableDataset):
-    """The stage's 'data': an endless stream of round tokens (the round index is the global step)."""
+    """The stage's 'data': an endless stream of round tokens (the round index is the global step); the stage refuses
+    a round past its last and a round that did not move the step on (FederatedStage.check_progress), so the stream
+    cannot outlive the stage's rounds."""
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -49,7 +52,7 @@ class FederatedStage(L.LightningModule):
 
     def __init__(self, model: nn.Module, split: ParamSplit, data: ClientData, algorithm: Algorithm,
                  config: StageConfig, seed: int = 0, stage_index: int = 0, bank: ClientBank | None = None,
-                 task: Task = CLASSIFICATION):
+                 task: Task = CLASSIFICATION, name: str | None = None):
         super().__init__()
         self.save_hyperparameters(
             {"config": config.model_dump(), "seed": seed, "stage_index": stage_index, "algorithm": algorithm.name,
@@ -57,6 +60,7 @@ class FederatedStage(L.LightningModule):
         self.automatic_optimization = False
         self.model, self.split, self.data, self.algorithm, self.config = model, split, data, algorithm, config
         self.task, self.seed, self.stage_index = task, seed, stage_index
+        self.stage_name = name or f"{algorithm.name} (stage {stage_index})"
         params = dict(model.named_parameters())
         self.personal_names = list(split.personal_names)
         copy = algorithm.personal_copy  # every parameter both global and personal (Ditto)
@@ -76,6 +80,8 @@ class FederatedStage(L.LightningModule):
         self.round_log: dict[str, float] = {}  # this round's metrics, for loggers (step = rounds done)
         self.shown: dict[str, float] = {}  # the latest loss and val accuracy, for the progress bar
         self.rounds_run = 0  # rounds trained by this object (a resumed stage does not count the restored ones)
+        self.last_round: int | None = None  # the round the last training_step ran (check_progress)
+        self.last_finite_loss: float | None = None  # the latest round's training loss, named if a round diverges
         self.client_metrics: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- what Lightning asks for -------------------------------------------------------------------------
@@ -107,10 +113,15 @@ class FederatedStage(L.LightningModule):
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         round_idx = self.global_step
-        if self.execution == "auto":
-            self.choose_executor(round_idx)
-        start = time.perf_counter()
-        stats = self.run_round(round_idx)
+        self.check_progress(round_idx)
+        try:
+            if self.execution == "auto":
+                self.choose_executor(round_idx)
+            start = time.perf_counter()
+            stats = self.run_round(round_idx)
+        except NothingToTrain as err:
+            raise StageFailed(f"stage {self.stage_name!r} ({self.algorithm.name}), round {round_idx + 1}: {err}") \
+                from None
         self.rounds_run += 1
         self.comm_bytes.append(stats["bytes_up"] + stats["bytes_down"])
         # Per round only what changes: the cohort size and the bytes sent are the stage's constants, reported once
@@ -123,6 +134,15 @@ class FederatedStage(L.LightningModule):
             self.evaluate(["val", "test"], round_idx + 1)
         elif (round_idx + 1) % self.config.eval_every == 0:
             self.evaluate(["val"], round_idx + 1, self.evaluation_sample())
+
+    def check_progress(self, round_idx: int) -> None:
+        """Each training step trains a new round of the stage: one past its last round, or one that did not move the
+        step on (no server step), stops the stage instead of looping on Lightning's endless stream of rounds."""
+        if round_idx >= self.n_rounds or round_idx == self.last_round:
+            raise StageFailed(f"stage {self.stage_name!r} ({self.algorithm.name}): round {round_idx + 1} of "
+                              f"{self.n_rounds} would run again or past the stage's end (the previous round did not "
+                              "step the server optimizer); stopped instead of looping")
+        self.last_round = round_idx
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The stage's records and server state; with a `changes_folder`, the banks as the chain of their changes
@@ -238,11 +258,22 @@ class FederatedStage(L.LightningModule):
         if distributed():
             loss, metric, steps = self.share_round(clients, mine, aggregate, info, stateful, [loss, metric, steps])
         pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
+        self.check_finite(round_idx, loss / max(steps, 1.0), pseudo_grad)
         self.server_step(pseudo_grad)
         up = aggregate.upload_bytes
         return {"train_loss": loss / max(steps, 1.0), f"train_{self.task.train_metric}": metric / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
+
+    def check_finite(self, round_idx: int, train_loss: float, pseudo_grad: Params) -> None:
+        """Stop at the first round whose training loss or aggregated update is not finite, before the server steps
+        on it: a stage that goes on would train on NaN (Diverged names the stage, the round and the last finite
+        loss)."""
+        if not math.isfinite(train_loss):
+            raise Diverged(self.stage_name, round_idx + 1, "training loss", self.last_finite_loss)
+        if pseudo_grad and not bool(torch.stack([g.isfinite().all() for g in pseudo_grad.values()]).all()):
+            raise Diverged(self.stage_name, round_idx + 1, "aggregated update", train_loss)
+        self.last_finite_loss = train_loss
 
     def share_round(self, clients: torch.Tensor, mine: slice, aggregate: ReducibleAggregator, info: RoundInfo,
                     stateful: bool, sums: list[float]) -> list[float]:

@@ -112,10 +112,17 @@ class ModelOptions(BaseModel):
     def adapter_places(self) -> bool:
         return True
 
+    def body_has_parameters(self) -> bool:
+        """Whether the body has parameters (else the layer presets make the whole model personal)."""
+        return True
+
 
 class LogregOptions(ModelOptions):
     def adapter_places(self) -> bool:
         return False  # the body is a parameterless Flatten
+
+    def body_has_parameters(self) -> bool:
+        return False
 
 
 class MlpOptions(ModelOptions):
@@ -123,6 +130,9 @@ class MlpOptions(ModelOptions):
 
     def adapter_places(self) -> bool:
         return bool(self.hidden)  # after each hidden Linear+ReLU
+
+    def body_has_parameters(self) -> bool:
+        return bool(self.hidden)
 
 
 class CnnOptions(ModelOptions):

@@ -12,16 +12,19 @@ top of the checks (the device, the model, the data's tensors, the task) a `Prepa
 from __future__ import annotations
 
 import copy
+import math
+import os
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data.federated import FederatedData, build_federated_data
-from fedpilot.engine.protocol import Algorithm
-from fedpilot.errors import SpecError
-from fedpilot.models.options import MODELS, PRESETS, SCHEMAS, reads_tokens, token_readers
-from fedpilot.spec import PipelineSpec, StageSpec
+from fedpilot.engine.protocol import Algorithm, Part
+from fedpilot.errors import SpecError, check_memory
+from fedpilot.models.options import MODELS, PRESETS, SCHEMAS, ModelOptions, reads_tokens, token_readers
+from fedpilot.spec import PipelineSpec, StageSpec, recorded_metrics
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +64,9 @@ def check_devices(spec: PipelineSpec, device: torch.device | None, algorithms: l
 
     if here and device is not None and device.type == "cuda" and spec.devices > torch.cuda.device_count():
         raise SpecError("devices", spec.devices, f"only {torch.cuda.device_count()} CUDA devices are visible here")
+    if here and device is not None and device.type == "cpu" and spec.devices > (os.cpu_count() or 1):
+        raise SpecError("devices", spec.devices, f"on the CPU each device is a process of its own, and this machine "
+                        f"has {os.cpu_count()} cores")
     for i, algorithm in enumerate(algorithms):
         if not splits_across_processes(algorithm):
             raise SpecError(f"stages.{i}.algorithm", spec.stages[i].algorithm, "its server keeps every client's "
@@ -110,9 +116,11 @@ def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
 
     tokens = data.specials is not None
     vocab = {"vocab_size": data.vocab_size, "pad_id": data.specials["pad"]} if tokens else None
-    torch.manual_seed(spec.seed)
     name = spec.model.name
     try:
+        check_model_memory(spec, lambda: build_model(name, data.feature_shape, data.num_classes, vocab,
+                                                     **spec.model.options))
+        torch.manual_seed(spec.seed)
         return build_model(name, data.feature_shape, data.num_classes, vocab, **spec.model.options)
     except Exception as err:  # a plugin's failure to build is its own: whatever it raises, named
         if name in MODELS.builtins:
@@ -120,6 +128,24 @@ def model_for(spec: PipelineSpec, data: FederatedData) -> torch.nn.Module:
         problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecError("model", spec.model.model_dump(), f"cannot be built (the {MODELS.origin(name)}): "
                         f"{problem}") from None
+
+
+def check_model_memory(spec: PipelineSpec, build: Callable[[], torch.nn.Module]) -> None:
+    """A SpecError when the model's parameters and their gradients need more memory than this machine has, counted
+    on torch's meta device (which allocates nothing) before the real build would fail to allocate them. A builder
+    that cannot run on the meta device is left to the real build."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            probe = build()
+    except SpecError:
+        raise
+    except Exception:  # e.g. a plugin initialising its weights from data: nothing to count here
+        return
+    count = sum(p.numel() for p in probe.parameters())
+    nbytes = 2 * sum(p.numel() * p.element_size() for p in probe.parameters())
+    check_memory("model", spec.model.model_dump(), nbytes, f"its {count:,} parameters and their gradients")
 
 
 class Prepared:
@@ -160,28 +186,105 @@ def needs_model(spec: PipelineSpec, algorithms: list[Algorithm]) -> bool:
 
 
 def check_personal_parts(spec: PipelineSpec, prepared: Prepared) -> None:
-    """Each stage's personal part exists in the model as its algorithm leaves it: checked on a copy of the built model
-    where a check needs its parameters (needs_model), else by the built-in model's schema (every preset applies,
-    `adapters` where the model has places for adapters)."""
+    """Each stage's personal part exists in the model as its algorithm leaves it, and has what the algorithm needs
+    (a personal part, a shared part): checked on a copy of the built model where a check needs its parameters
+    (needs_model), else by the built-in model's schema (every preset applies, `adapters` where the model has places
+    for adapters)."""
     probe = options = None
     if needs_model(spec, prepared.algorithms):
-        from fedpilot.models.split import apply_split
-
         probe = copy.deepcopy(prepared.model)
     else:
         options = SCHEMAS[spec.model.name].model_validate(spec.model.options)
     for i, (stage, algorithm) in enumerate(zip(spec.stages, prepared.algorithms, strict=True)):
         split, dim = stage_split(spec, stage, algorithm.personal_part)
         try:
-            if probe is not None:
-                algorithm.prepare_model(probe, prepared.data.feature_shape)
-                apply_split(probe, split, dim)
-            elif split == "adapters" and not options.adapter_places():
-                raise SpecError("personalization", split, f"model {spec.model.name!r} has no place for adapters",
-                                allowed=[p for p in PRESETS if p != "adapters"])
+            parts = split_parts(probe, options, algorithm, split, dim, prepared.data.feature_shape, spec.model.name)
         except SpecError as err:
-            raise SpecError(f"stages.{i}.personalization" if stage.personalization else err.key,
-                            err.value, err.problem, err.allowed) from None
+            raise _stage_split_error(spec, i, algorithm, err) from None
+        check_needs(spec, i, algorithm, split, parts)
+
+
+def split_parts(probe: torch.nn.Module | None, options: ModelOptions | None, algorithm: Algorithm,
+                split: str | list[str], dim: int, input_shape: tuple[int, ...], model: str) -> set[Part]:
+    """The parts ("personal", "shared") the split leaves non-empty: on the built model `probe` as the algorithm
+    prepares it, else from a built-in model's schema `options` (no torch)."""
+    if probe is not None:
+        from fedpilot.models.split import apply_split
+
+        algorithm.prepare_model(probe, input_shape)
+        applied = apply_split(probe, split, dim)
+        return {part for part, names in (("personal", applied.personal_names), ("shared", applied.shared_names))
+                if names}
+    if split == "adapters" and not options.adapter_places():
+        raise SpecError("personalization", split, f"model {model!r} has no place for adapters",
+                        allowed=[p for p in PRESETS if p != "adapters"])
+    if split == "none":
+        return {"shared"}
+    if split == "all":
+        return {"personal"}
+    return {"personal", "shared"} if split == "adapters" or options.body_has_parameters() else {"personal"}
+
+
+def _stage_split_error(spec: PipelineSpec, i: int, algorithm: Algorithm, err: SpecError) -> SpecError:
+    """A split that does not apply, on the key that chose it: the stage's personalization, the pipeline's, or the
+    algorithm (which brings its own personal part)."""
+    if algorithm.personal_part is not None and spec.stages[i].personalization is None and \
+            err.key == "personalization":
+        return SpecError(f"stages.{i}.algorithm", algorithm.name, f"its own personal part {err.value!r}: "
+                         f"{err.problem} in model {spec.model.name!r}", err.allowed)
+    return SpecError(f"stages.{i}.personalization" if spec.stages[i].personalization else err.key, err.value,
+                     err.problem, err.allowed)
+
+
+def check_needs(spec: PipelineSpec, i: int, algorithm: Algorithm, split: str | list[str], parts: set[Part]) -> None:
+    """A SpecError naming the stage, its algorithm and the fix when the split leaves a part the algorithm needs
+    empty; on the algorithm when the split is its own (a plugin whose personal_part contradicts its needs)."""
+    missing = sorted(set(algorithm.needs) - parts)
+    if not missing:
+        return
+    stage = spec.stages[i]
+    what = f"stage {stage.name!r} ({algorithm.name})"
+    if algorithm.personal_part is not None and stage.personalization is None:
+        raise SpecError(f"stages.{i}.algorithm", algorithm.name, f"{what} needs a {missing[0]} part, and its own "
+                        f"personal part {split!r} leaves none in model {spec.model.name!r}")
+    key = f"stages.{i}.personalization" if stage.personalization else "personalization"
+    if missing == ["personal"]:
+        fix = (f"set {key} to a preset with personal parameters (output_layer, input_layer, adapters) or to name "
+               "regexes; for a baseline without personal parameters use fedavg, or finetune with params.part: all")
+        raise SpecError(key, split, f"{what} trains personal parameters, and this split has none: {fix}")
+    raise SpecError(key, split, f"{what} sends shared parameters to the server, and this split leaves none shared "
+                    f"in model {spec.model.name!r}: set {key} to a split that keeps some shared (output_layer or "
+                    "input_layer on a model whose body has parameters, adapters, or name regexes)")
+
+
+def check_objectives_have_data(spec: PipelineSpec, data: FederatedData) -> None:
+    """A search whose objective is a validation metric needs a client with a validation sample (dataset.split.val
+    may be 0, or round to 0 on every client)."""
+    if spec.search is None or data.sizes["val"].any():
+        return
+    for i, objective in enumerate(spec.search.objective):
+        if objective.metric.startswith("val_"):
+            raise SpecError(f"search.objective.{i}.metric", objective.metric, "no client has a validation sample "
+                            f"(dataset.split.val={spec.dataset.split.val:g}): raise dataset.split.val, or "
+                            "optimize a footprint", allowed=[m for m in recorded_metrics(spec.dataset.task)
+                                                            if not m.startswith("val_")])
+
+
+PLANNED_SAMPLE_BYTES = 32  # a round's batch plan per planned sample: its index, weight, sort key and ordering
+
+
+def check_round_plans(spec: PipelineSpec, data: FederatedData) -> None:
+    """Each stage's batch plan of a round (every step of every sampled client, drawn at once) fits in memory: a huge
+    `epochs`, `steps` or `batch_size` is refused here instead of failing to allocate in the first round."""
+    largest = int(data.sizes["train"].max())
+    for i, stage in enumerate(spec.stages):
+        local = stage.local
+        clients = min(stage.clients_per_round or data.n_clients, data.n_clients)
+        batch = max(1, min(local.batch_size, largest))
+        steps = local.steps or math.ceil(local.epochs) * math.ceil(largest / batch)
+        check_memory(f"stages.{i}.local", local.model_dump(exclude_defaults=True), clients * steps * batch *
+                     PLANNED_SAMPLE_BYTES, f"a round's batch plan ({clients:,} clients x {steps:,} steps x {batch:,} "
+                     "samples)")
 
 
 def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
@@ -192,6 +295,8 @@ def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
     if here and spec.device == "cuda":
         resolve_device(spec.device)
     data = build_federated_data(spec.dataset, spec.seed, root / "data")
+    check_objectives_have_data(spec, data)
+    check_round_plans(spec, data)
     for i, stage in enumerate(spec.stages):
         if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
             raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,

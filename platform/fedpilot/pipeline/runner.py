@@ -21,7 +21,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from fedpilot.data.summary import describe
 from fedpilot.engine.memory import PeakMemory
 from fedpilot.engine.stage import FederatedStage, carry_bank
-from fedpilot.models import ParamSplit, apply_split
+from fedpilot.errors import StageFailed
+from fedpilot.models import MODELS, ParamSplit, apply_split
 from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
@@ -31,7 +32,7 @@ from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
 from fedpilot.report import log_report, pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RoundMetrics, Tracker, flatten
+from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, RoundMetrics, Tracker, flatten
 
 
 @dataclass
@@ -108,6 +109,9 @@ class PipelineRunner:
             shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
         except BaseException as err:
             self.tracker.fail(open_runs, err)
+            if isinstance(err, StageFailed):  # nothing to resume: it would fail the same way again
+                self.tracker.set_tags(parent, {RESUMABLE_TAG: "false"})
+                shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
             raise
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
@@ -144,10 +148,12 @@ class PipelineRunner:
         torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
         algorithm.prepare_model(self.model, self.data.feature_shape)
         split = apply_split(self.model, split_spec, dim)
-        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code_fingerprint(algorithm, self.model))
+        code = code_fingerprint(algorithm, self.model, MODELS[spec.model.name])  # a builder function's module too
+        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code)
         config = stage_spec.engine_config(spec.evaluation)
         bank = carry_bank(before, split.personal_names) if before is not None else None
-        stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task)
+        stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
+                               stage_spec.name)
         return stage, split, key
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:

@@ -9,6 +9,7 @@ directory that must stay as it was.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import resource
 import sqlite3
@@ -205,6 +206,50 @@ CASES = [
     case("inf-model-option", "model.hidden.0=inf", edit(model={"hidden": [float("inf")]})),
     case("inf-search-bound", "search.space.stages.1.params.lr_v.high=inf", edit(SEARCHABLE, search={
         **SEARCH, "space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": float("inf")}}})),
+    case("override-delete-list-entry", "override='~stages.0': an entry of a list cannot be deleted", BASE,
+         "~stages.0"),
+    case("override-delete-group-not-a-name", "dataset=2: not a config of configs/dataset", BASE, "~dataset=2"),
+    case("override-group-choice-quoted", "model=", BASE, "model='mlpp'"),
+    # ---- numbers the libraries take ------------------------------------------------------------------------
+    case("seed-negative", "seed=-1: Input should be greater than or equal to 0", BASE, "seed=-1"),
+    case("seed-past-32-bits", "seed=4294967296", BASE, "seed=4294967296", command=("run",)),
+    case("seed-boolean", "seed=True: a number, not true or false", edit(seed=True)),
+    case("rounds-boolean", "stages.0.rounds=True: a number, not true or false", edit(stages__0__rounds=True)),
+    case("algorithm-param-boolean", "stages.1.params.lr_v=True: a number, not true or false", BASE,
+         "stages.1.params.lr_v=true"),
+    case("sampler-seed-negative", "search.sampler.seed=-1", SEARCHABLE, "search.sampler.seed=-1"),
+    case("search-trials-past-sql", "search.trials=2147483648", SEARCHABLE, "search.trials=2147483648"),
+    case("adam-beta-one", "stages.0.server.betas.1=1.0: Input should be less than 1", BASE,
+         "stages.0.server.optimizer=adam", "stages.0.server.betas=[0.9,1.0]", command=("run",)),
+    case("adam-beta-negative", "stages.0.server.betas.0=-0.5", BASE, "stages.0.server.betas=[-0.5,0.9]"),
+    case("weight-decay-past-float32", "stages.0.local.weight_decay=1e+300: past float32's largest number", BASE,
+         "stages.0.local.weight_decay=1e300", command=("run",)),
+    case("lr-past-float32", "stages.0.local.lr=1e+39", BASE, "stages.0.local.lr=1e39", command=("run",)),
+    case("algorithm-param-past-float32", "stages.1.params.lr_v=1e+300", BASE, "stages.1.params.lr_v=1e300",
+         command=("run",)),
+    case("epochs-past-float32", "stages.0.local.epochs=1e+300", BASE, "stages.0.local.epochs=1e300", command=("run",)),
+    case("batch-size-past-int64", f"stages.0.local.batch_size={2**70}: past a 64-bit integer", BASE,
+         f"stages.0.local.batch_size={2**70}", command=("run",)),
+    case("algorithm-steps-past-int64", f"stages.1.params.tau_v={2**70}", BASE, f"stages.1.params.tau_v={2**70}",
+         command=("run",)),
+    case("model-size-past-int64", f"model.hidden.0={2**70}", BASE, f"model.hidden=[{2**70}]"),
+    case("space-int-step-fraction", "whole numbers", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.rounds": {"type": "int", "low": 1, "high": 3, "step": 0.5}}})),
+    case("space-bound-past-float32", "past float32's largest number", edit(SEARCHABLE, search={
+        **SEARCH, "space": {"stages.0.local.lr": {"type": "float", "low": 0.001, "high": 1e300}}})),
+    # ---- the environment and paths (variables: tests/test_environment.py) ----------------------------------
+    case("tracking-uri-scheme", "tracking.uri='bogus://x': not a tracking store MLflow can open",
+         edit(tracking={"uri": "bogus://x"})),
+    case("cache-dir-is-a-file", "--cache-dir='@TMP@/pipeline.yaml': not a folder fedpilot can write", BASE,
+         "--cache-dir", "@TMP@/pipeline.yaml"),
+    case("report-output-missing-folder", "--output='@TMP@/missing/report.html': no such folder", None, "abc", "-o",
+         "@TMP@/missing/report.html", command=("report",)),
+    case("run-result-file-missing-folder", "--result-file='@TMP@/missing/result.json': no such folder", BASE,
+         "--result-file", "@TMP@/missing/result.json", command=("run",)),
+    case("search-storage-no-driver", "--storage='mysql://u:***@localhost/x': its driver is not installed",
+         SEARCHABLE, "--storage", "mysql://u:pw@localhost/x", command=("search",)),
+    case("db-option-no-driver", "--db='mysql://u:***@h/x': its driver is not installed", None, "--db",
+         "mysql://u:pw@h/x", command=("jobs",)),
     # ---- search blocks and the search command --------------------------------------------------------------
     case("space-unknown-key", "search.space.stages.0.local.lrr='lrr'", edit(SEARCHABLE, search={
         **SEARCH, "space": {"stages.0.local.lrr": {"type": "float", "low": 0.01, "high": 0.1}}})),
@@ -274,6 +319,36 @@ CASES = [
     case("split-sum", "fractions must sum to 1", BASE, "dataset.split.train=0.9"),
     case("synthetic-no-clients", "dataset.source.n_clients=0", BASE, "dataset=synthetic",
          "dataset.source.n_clients=0"),
+    # ---- data that cannot be trained on, numbers the data libraries refuse ---------------------------------
+    case("hf-nan-regression-target", "dataset.source.label='nan_z': 1 value(s) are missing or not finite",
+         edit(hf(label="nan_z"), dataset__task="regression")),
+    case("hf-inf-vector-feature", "dataset.source.feature='inf_x': 2 value(s) are missing or not finite (null, inf "
+         "or nan) in 1 sample(s)", hf(feature="inf_x")),
+    case("hf-ragged-regression-target", "dataset.source.label='ragged': cannot be made one array of numbers",
+         edit(hf(label="ragged"), dataset__task="regression")),
+    case("split-no-test", "dataset.split.test=0.0: must be > 0", BASE, "dataset.split={train: 1.0, val: 0, test: 0}"),
+    case("split-no-client-gets-test", "dataset.split.test=0.04: 0 of 179 clients get a test sample", BASE,
+         "dataset.partition.clients=179", "dataset.split={train: 0.76, val: 0.2, test: 0.04}"),
+    case("dataset-seed-negative", "dataset.seed=-1", edit(dataset__seed=-1)),
+    case("synthetic-seed-too-large", "dataset.source.seed=4294967296: must be at most 4294967295", BASE,
+         "dataset=synthetic", "+dataset.source.seed=4294967296"),
+    case("synthetic-too-large-for-memory", "more than this machine's", BASE, "dataset=synthetic",
+         "dataset.source.mean_size=30", "dataset.source.max_size=1000000000000"),
+    case("synthetic-scale-huge", "dataset.source.beta=1e+300: must be at most 1e+30", BASE, "dataset=synthetic",
+         "dataset.source.beta=1e300"),
+    case("shards-more-than-samples", "dataset.partition.classes_per_client=1000000000", BASE,
+         "dataset.partition.kind=shards", "dataset.partition.classes_per_client=1000000000"),
+    case("dirichlet-alpha-huge", "dataset.partition.alpha=1e+308: must be at most 1e+300", BASE,
+         "dataset.partition.kind=dirichlet", "dataset.partition.alpha=1e308"),
+    case("text-seq-len-too-large-for-memory", "dataset.text.seq_len=100000000000", edit(
+        text(feature="text"), dataset__text={"tokenizer": "word", "seq_len": 10**11})),
+    case("vocab-size-past-32-bits", "dataset.text.vocab_size=4294967297: must be at most 4294967296", edit(
+        text(feature="text"), dataset__text={"tokenizer": "word", "vocab_size": 2**32 + 1})),
+    case("augment-std-zero", "dataset.augment.0.std.0=0", BASE, "+dataset.augment=[{kind: normalize, std: [0]}]"),
+    case("augment-crop-padding-past-the-image", "dataset.augment.0.padding=8", BASE,
+         "+dataset.augment=[{kind: random_crop, padding: 8}]"),
+    case("search-val-objective-without-val", "search.objective.0.metric='val_acc_weighted': no client has a "
+         "validation sample", SEARCHABLE, "dataset.split={train: 0.8, val: 0, test: 0.2}", command=("search",)),
     case("describe-seed-not-int", "seed='abc'", BASE, "seed=abc", command=("data", "describe")),
     # ---- models, personalization, cohorts ------------------------------------------------------------------
     case("model-unknown", "model.name='mlpp'", BASE, "model.name=mlpp"),
@@ -314,6 +389,18 @@ CASES = [
     case("personalization-unknown-preset", "did you mean", edit(personalization="output_layr")),
     case("cohort-above-federation", "stages.0.clients_per_round=9", BASE, "stages.0.clients_per_round=9",
          command=("run",)),
+    # ---- what each stage's algorithm needs of the split ----------------------------------------------------
+    case("personalized-algorithm-nothing-personal", "personalization='none': stage 'personalize' (fedalt) trains "
+         "personal parameters", BASE, "personalization=none", command=("run",)),
+    case("personalized-algorithm-nothing-shared", "personalization='all': stage 'personalize' (fedalt) sends shared "
+         "parameters", BASE, "personalization=all"),
+    case("stage-split-nothing-personal", "stages.1.personalization='none': stage 'personalize' (fedalt)",
+         SEARCHABLE, "stages.1.personalization=none", command=("search",)),
+    case("finetune-nothing-personal", "stage 'tune' (finetune) trains personal parameters", edit(
+        personalization="none", stages=[*BASE["stages"][:1], {"name": "tune", "algorithm": "finetune"}])),
+    case("layer-preset-whole-model", "in model 'logreg'", edit(model={"name": "logreg"}), command=("submit",)),
+    case("algorithm-part-matches-nothing", "stages.1.algorithm='lg_fedavg': its own personal part",
+         edit(model={"name": "logreg"}, stages__1__algorithm="lg_fedavg", stages__1__params={})),
     # ---- other commands ------------------------------------------------------------------------------------
     case("submit-inf", "stages.0.local.lr=inf", BASE, "stages.0.local.lr=inf", command=("submit",)),
     case("submit-resolver", "'oc.env'", edit(seed="${oc.env:FEDPILOT_SECRET}"), command=("submit",)),
@@ -322,6 +409,8 @@ CASES = [
          command=("submit",)),
     case("submit-search-trials-zero", "--trials=0", SEARCHABLE, "--search", "--trials", "0", command=("submit",)),
     case("submit-hf-text-feature", "dataset.source.feature='text'", hf(feature="text"), command=("submit",)),
+    case("model-larger-than-memory", "more than this machine's", BASE, "model.hidden=[9007199254740993]",
+         command=("run",)),  # validate passes it (the schema knows no sizes); run counts it on the meta device
     case("model-negative-size", "model.hidden.0=-1: Input should be greater than 0", BASE, "model.hidden=[-1]"),
     case("model-adapters-nowhere", "personalization='adapters': model 'logreg' has no place for adapters",
          edit(model={"name": "logreg"}, personalization="adapters")),
@@ -334,6 +423,21 @@ CASES = [
     case("run-no-pipeline", "pipeline=None", None, command=("run",)),
     case("cancel-unknown-job", "JOB_ID=999", None, "999", command=("cancel",)),
     case("jobs-bad-db-url", "--db='nosuchdb://x'", None, "--db", "nosuchdb://x", command=("jobs",)),
+    case("search-trials-option-past-sql", "--trials=2147483648", SEARCHABLE, "--trials", "2147483648",
+         command=("search",)),
+    case("search-heartbeat-zero", "--heartbeat-seconds=0", SEARCHABLE, "--heartbeat-seconds", "0",
+         command=("search",)),
+    case("search-parallel-huge", "--parallel=100000", SEARCHABLE, "--to", "queue", "--parallel", "100000",
+         command=("search",)),
+    case("submit-trials-past-sql", "--trials=2147483648", SEARCHABLE, "--search", "--trials", "2147483648",
+         command=("submit",)),
+    case("schedule-trials-past-sql", "--trials=2147483648", SEARCHABLE, "--cron", "0 2 * * *", "--trials",
+         "2147483648", command=("schedule", "add")),
+    case("jobs-show-id-past-sql", f"JOB_ID={2**70}", None, str(2**70), command=("jobs", "show")),
+    case("cancel-id-zero", "JOB_ID=0", None, "0", command=("cancel",)),
+    case("worker-grace-huge", "--grace-seconds=1e+30", None, "--exit-when-idle", "--grace-seconds", "1e30",
+         command=("worker",)),
+    case("describe-seed-negative", "seed=-1", BASE, "seed=-1", command=("data", "describe")),
     case("schedule-pause-unknown", "NAME='nightly'", None, "nightly", command=("schedule", "pause")),
 ]
 
@@ -345,7 +449,9 @@ def hf_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf-data")
     table = datasets.Dataset.from_dict({"x": [[float(i), 1.0] for i in range(40)], "y": [i % 2 for i in range(40)],
                                         "text": ["hello"] * 40, "ragged": [[1.0] * (1 + i % 3) for i in range(40)],
-                                        "z": [i * 0.37 for i in range(40)]})
+                                        "z": [i * 0.37 for i in range(40)],
+                                        "nan_z": [math.nan if i == 3 else i * 0.37 for i in range(40)],
+                                        "inf_x": [[math.inf, -math.inf] if i == 5 else [float(i), 1.0] for i in range(40)]})
     table.to_parquet(str(root / "numbers.parquet"))
     (root / "folder").mkdir()
     table.to_parquet(str(root / "folder" / "train.parquet"))

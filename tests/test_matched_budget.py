@@ -29,8 +29,12 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def comparisons(cache) -> list[tuple[str, dict[str, PipelineSpec]]]:
-    """Each set's baseline and its pipelines' specs (seed 0), the dataset built once into `cache`."""
-    loaded = [load_comparison(path, seeds=1, cache_dir=cache) for path in SETS]
+    """Each set's baseline and its pipelines' specs (seed 0), the dataset built once into `cache`; loading a set
+    checks the tracking store, here one of the module's own (an earlier test in this process may have pointed MLflow
+    at a server it has stopped since)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{cache}/mlflow.db")
+        loaded = [load_comparison(path, seeds=1, cache_dir=cache) for path in SETS]
     return [(comparison.baseline, {name: runs[0] for name, runs in specs.items()}) for comparison, specs in loaded]
 
 

@@ -271,7 +271,9 @@ class FederatedStage(L.LightningModule):
         loss)."""
         if not math.isfinite(train_loss):
             raise Diverged(self.stage_name, round_idx + 1, "training loss", self.last_finite_loss)
-        if pseudo_grad and not bool(torch.stack([g.isfinite().all() for g in pseudo_grad.values()]).all()):
+        # A sum per tensor (no boolean copy of the update, as an isfinite pass makes, on every round): it is not
+        # finite whenever an entry is not, or when the entries overflow float32 together (divergence too)
+        if pseudo_grad and not math.isfinite(float(sum(g.sum() for g in pseudo_grad.values()))):
             raise Diverged(self.stage_name, round_idx + 1, "aggregated update", train_loss)
         self.last_finite_loss = train_loss
 

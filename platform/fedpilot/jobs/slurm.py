@@ -47,8 +47,8 @@ from fedpilot.db import (
 )
 from fedpilot.errors import SpecError
 from fedpilot.jobs.queue import TAIL_CHARS, close_runs, execute, request_cancel, submit
+from fedpilot.jobs.slurm_options import SlurmSpec, slurm_minutes
 from fedpilot.settings import cache_root, sqlite_file
-from fedpilot.spec import SlurmSpec, slurm_minutes
 
 SLURM = "slurm"
 ENV = "FEDPILOT_SLURM"  # defaults for every submission: "partition=gpu gpus=1 time=4:00:00 account=lab"

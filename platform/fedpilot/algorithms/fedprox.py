@@ -1,4 +1,5 @@
-"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, MLSys 2020), a baseline of paper 001.
+"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, MLSys 2020), a baseline of PFLEGO
+(Nikoloutsopoulos et al. 2022).
 
 Each sampled client k, given the global model w^t, approximately minimises its proximal local objective
 

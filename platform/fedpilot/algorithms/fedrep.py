@@ -1,8 +1,9 @@
-"""FedRep: Collins et al. 2021, "Exploiting Shared Representations for Personalized FL" (a baseline of paper 001).
+"""FedRep: Collins et al. 2021, "Exploiting Shared Representations for Personalized FL" (a baseline of PFLEGO,
+Nikoloutsopoulos et al. 2022).
 
 Algorithm 1 of Collins et al.: each sampled client first trains its head for many local epochs with the
 representation (body) frozen, then the body for a few epochs with its new head frozen, keeps the head and
-sends the body; the server averages the bodies. This is FedAlt's update order (paper 000, LocalAlt) with
+sends the body; the server averages the bodies. This is FedAlt's update order (Pillutla et al., ICML 2022, LocalAlt) with
 epoch budgets instead of step counts, so it is its own short module rather than a FedAlt parameterisation.
 
 Choices: head_epochs = 10 and body_epochs = 1 as in the FedRep experiments (the stage's local epochs/steps are

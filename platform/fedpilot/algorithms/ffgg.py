@@ -1,5 +1,5 @@
-"""FFGG: Fine-tuning Followed by Global Gradient (paper 004, "Partially personalized FL: breaking the curse of
-data heterogeneity"), with its local-steps, asynchronous and Byzantine-robust variants.
+"""FFGG: Fine-tuning Followed by Global Gradient (Mishchenko et al. 2023, arXiv, "Partially personalized FL:
+breaking the curse of data heterogeneity"), with its local-steps, asynchronous and Byzantine-robust variants.
 
 The model is (theta, w_m): shared parameters theta and a personal part w_m. FFGG solves F(theta) = 0 with
 F_m(theta) = grad_theta f_m(theta, w*_m(theta)), w*_m(theta) = argmin_w f_m(theta, w). Every variant is

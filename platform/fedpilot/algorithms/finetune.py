@@ -1,4 +1,4 @@
-"""Local fine-tuning (step (c) of paper 000's pipeline), Ditto-as-fine-tuning, and Local-only training."""
+"""Local fine-tuning (step (c) of Pillutla et al.'s pipeline, ICML 2022), Ditto-as-fine-tuning, and Local-only training."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class FinetuneParams(AlgorithmParams):
     """part: `personal` fine-tunes the personal parameters with the shared ones fixed (FT (part.));
     `all` fine-tunes a whole personal copy of the model (Finetune).
     prox: lambda of an L2 pull lambda/2 * ||w_i - w_start||^2 to the client's starting model; with
-    part=all this is paper 000's Ditto-as-fine-tuning (App. B.2, baseline (ii)).
+    part=all this is Pillutla et al.'s (ICML 2022) Ditto-as-fine-tuning (App. B.2, baseline (ii)).
     Local work (epochs, batch size, lr) is the stage's `local` block.
     """
 

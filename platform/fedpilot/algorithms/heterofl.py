@@ -1,5 +1,6 @@
 """HeteroFL: Diao, Ding, Tarokh, "HeteroFL: Computation and Communication Efficient Federated Learning for
-Heterogeneous Clients", ICLR 2021 (a baseline of paper 003, with its setting there: the full model for 10% of the
+Heterogeneous Clients", ICLR 2021 (a baseline of pFedGate, Chen et al., ICML 2023, with its setting
+there: the full model for 10% of the
 clients and half of it for the others).
 
 Client i has a width rate p_i and trains the sub-model made of the first ceil(p_i d) hidden units of every layer of
@@ -61,7 +62,7 @@ def _first(rate: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class HeteroFLParams(AlgorithmParams):
-    """rates: the clients' width rates in (0, 1] and their shares of the clients (default: paper 003's setting, the
+    """rates: the clients' width rates in (0, 1] and their shares of the clients (default: pFedGate's setting, the
     full model for 10% of the clients and half the width for the others)."""
 
     rates: Levels = Levels(values=[1.0, 0.5], shares=[0.1, 0.9])

@@ -1,5 +1,6 @@
 """Per-FedAvg: Fallah, Mokhtari, Ozdaglar, "Personalized Federated Learning with Theoretical Guarantees: A
-Model-Agnostic Meta-Learning Approach", NeurIPS 2020 (a baseline of papers 000 and 002), first-order version.
+Model-Agnostic Meta-Learning Approach", NeurIPS 2020 (a baseline of Pillutla et al., ICML 2022 and Self-FL,
+Chen et al., NeurIPS 2022), first-order version.
 
 The global model w is trained so that one step of local gradient descent from it is a good personal model:
 F(w) = mean_i f_i(w - alpha grad f_i(w)). Each sampled client takes tau local meta-steps (Algorithm 1):
@@ -9,8 +10,8 @@ F(w) = mean_i f_i(w - alpha grad f_i(w)). Each sampled client takes tau local me
 
 and sends w; the server takes the mean of the clients' models.
 
-Choices: the first-order version (Per-FedAvg (FO): the Hessian term of the meta-gradient is dropped, as paper 002
-does for its audio experiments); beta is the stage's local.lr (times its schedule); the server mean is uniform
+Choices: the first-order version (Per-FedAvg (FO): the Hessian term of the meta-gradient is dropped, as Self-FL
+(Chen et al., NeurIPS 2022) does for its audio experiments); beta is the stage's local.lr (times its schedule); the server mean is uniform
 over the sampled clients (Algorithm 1). A client's personal model is one step of local SGD from the final global
 model: a `finetune` stage with `params: {part: all}` and `local: {steps: 1, lr: alpha}` after this one gives it
 (the paper's evaluation); this stage's own evaluation is of the global model.

@@ -1,5 +1,6 @@
 """pFedMe: Dinh, Tran, Nguyen, "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020 (a baseline of
-papers 000 and 002; paper 000 trains it in step (b) of its pipeline, B.2 (iii)).
+Pillutla et al., ICML 2022 and of Self-FL, Chen et al., NeurIPS 2022; Pillutla et al. train it in step (b) of
+their pipeline, App. B.2 (iii)).
 
 The personal model theta_i of client i is the proximal point of its loss at the client's copy w of the global
 model, theta_i(w) = argmin_theta f_i(theta) + lam/2 ||theta - w||^2 (a Moreau envelope). One round (Algorithm 1):
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class PFedMeParams(AlgorithmParams):
-    """lam: weight of the Moreau envelope's pull (pFedMe: 15 on MNIST; paper 000 tuned 0.1 on EMNIST);
+    """lam: weight of the Moreau envelope's pull (pFedMe: 15 on MNIST; Pillutla et al., ICML 2022 tuned 0.1 on EMNIST);
     local_rounds: R; inner_steps: K; lr_personal: the inner steps' lr (null = the stage's local.lr)."""
 
     lam: float = Field(15.0, gt=0)

@@ -1,4 +1,5 @@
-"""PFLEGO: Personalized FL with Exact Distributed SGD Updates (paper 001), Algorithm 1.
+"""PFLEGO: Personalized FL with Exact Distributed SGD Updates (Nikoloutsopoulos et al. 2022, arXiv),
+Algorithm 1.
 
 The model is psi = (theta, W_1..W_I): a shared body theta and a personal head W_i per client, trained on
 L(psi) = sum_i alpha_i l_i(W_i, theta) with alpha_i = N_i / sum_j N_j (Eq. 1). One round (Algorithm 1):

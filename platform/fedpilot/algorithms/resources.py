@@ -1,7 +1,7 @@
-"""Heterogeneous client resources (paper 003): each client i has its own level, pFedGate's sparsity budget s_i or
+"""Heterogeneous client resources (pFedGate: Chen et al., ICML 2023): each client i has its own level, pFedGate's sparsity budget s_i or
 HeteroFL's width rate p_i, drawn once per client and fixed for the stage.
 
-`Levels` gives them as a distribution over a set of values, as in paper 003's experiments ("the full model for
+`Levels` gives them as a distribution over a set of values, as in pFedGate's experiments ("the full model for
 10% of the clients and 50% of the parameters for the other 90%": values [1.0, 0.5], shares [0.1, 0.9]). Clients
 are assigned by a permutation seeded by the pipeline's seed alone, so a client's level does not depend on the
 stage, the round or the chunking, and the shares are exact (the first round(share * n) clients of the permutation

@@ -1,4 +1,4 @@
-"""Self-FL: self-aware personalized FL (paper 002), Algorithm 1 (`selffl`) and Algorithm 2 (`selffl_aug`).
+"""Self-FL: self-aware personalized FL (Chen et al., NeurIPS 2022), Algorithm 1 (`selffl`) and Algorithm 2 (`selffl_aug`).
 
 Two-level Gaussian model: theta_m ~ N(theta_0, s0) across clients, client m's local optimum z_m ~ N(theta_m,
 s_m). With precisions w_k = (s0 + s_k)^-1, P = sum_k w_k and W_-m = P - w_m (the other clients'), the FL
@@ -36,12 +36,11 @@ scalar synthetic problem (tests/test_algo_selffl.py). Choices where the paper is
   Sec. 4.2, where l_m hits l_max) l_m ~ (s_m / eta) log(1 / (s_m W_-m)) is large; for large W_-m s_m (s0 <<
   (M - 1) s_m) l_m ~ 1 / (W_-m eta): a client trusts the others and barely trains. Eq. 14 estimates s0 from the
   personal models, which Eq. 10 starts next to the global model and Eq. 8 then keeps there, so under Algorithm 1
-  an estimated s0 that starts small stays small. Measured on digits-k2 (50 clients of ~22 training samples, lr
-  0.05, 3 seeds): at the end s0 ~ 0.02 and s_m ~ 0.007, so Eq. 8's target W_-m / (1 / s_m + W_-m) is ~0.93 while
-  one step contracts by 1 - lr / (N_m s_m) ~ 0.66: l_m rounds to 1 for every client with a variance estimate. A
-  client trains l_max steps in its first two activations (s_m = 0) and one step after: 1.6 steps a round on
-  average. Algorithm 2's s0 from local optima (Eq. 22) is ten times larger (~0.25), but its s_m (~0.0035) is
-  smaller too (target ~0.40, contraction ~0.34) and l_m is again 1 (README, "How each paper reads").
+  an estimated s0 that starts small stays small. On the digits pipelines (few training samples a client) s0 and
+  s_m end small enough that Eq. 8's target W_-m / (1 / s_m + W_-m) is above what one step's contraction
+  1 - lr / (N_m s_m) leaves: l_m rounds to 1 for every client with a variance estimate. A client trains l_max
+  steps in its first two activations (s_m = 0) and one step after. Algorithm 2's s0 from local optima (Eq. 22) is
+  larger, but its s_m is smaller too and l_m is again 1 (the figures: README, "How each paper reads").
 * Eq. 8 edge cases. Zero variance (no estimate yet, below) means infinite own precision: the client's target
   is its local optimum, so it trains l_max steps. 0 < s_m <= eta / N_m: the contraction 1 - eta / s_m is not
   in (0, 1); one step already reaches the quadratic's optimum, so l_m = 1 (Eq. 8's limit as s_m -> eta / N_m).

@@ -143,8 +143,7 @@ def load(folder: Path, cache_hit: bool = False) -> FederatedData:
 
 def mapped(path: Path) -> np.memmap:
     """The array at `path` memory-mapped copy-on-write, advised for random access: a round reads a few clients'
-    rows, and the kernel's default read-around brings megabytes around each fault (bench/README.md: a cold
-    12-round run at 1M clients read 821 MB without the advice, 15 MB with it)."""
+    rows, and the kernel's default read-around brings megabytes around each fault (the figures: bench/README.md)."""
     array = np.load(path, mmap_mode="c")
     if hasattr(mmap, "MADV_RANDOM") and array.size:
         array._mmap.madvise(mmap.MADV_RANDOM)

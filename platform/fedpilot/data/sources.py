@@ -200,8 +200,8 @@ def _load_table(spec: HFSource):
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers a TCP connection (not in offline mode): seconds, not the library's
-    retries of a minute."""
+    """Whether the Hugging Face hub answers a TCP connection (not in offline mode), with a short timeout rather
+    than the library's long retries."""
     import huggingface_hub.constants as hub
 
     if hub.HF_HUB_OFFLINE:

@@ -1,4 +1,4 @@
-"""Paper 000's estimate of the device memory one client needs to train (Pillutla et al. 2022, App. B.4).
+"""The estimate of the device memory one client needs to train of Pillutla et al., ICML 2022 (App. B.4).
 
 A device in round t holds the broadcast shared model u (to compute the delta it sends back), its current iterate
 of u and of its personal part v, their gradients, and the buffers backpropagation needs:

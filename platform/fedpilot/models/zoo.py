@@ -148,11 +148,11 @@ class Block(nn.Module):
 
 def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
                 context: int | None = None, d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
-    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab] (paper 000's
-    Stack Overflow model: 4 layers, d_model 192, configs/model/transformer-so.yaml).
+    """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab] (the Stack
+    Overflow model of Pillutla et al., ICML 2022: 4 layers, d_model 192, configs/model/transformer-so.yaml).
 
     `vocab_size` defaults to the data's vocabulary (else `num_classes`), `context` (the longest sequence) to the
-    input length. Presets: `input_layer` is the first transformer block and `output_layer` the last (paper 000's
+    input length. Presets: `input_layer` is the first transformer block and `output_layer` the last (Pillutla et al.'s
     choice for a 10,000-word vocabulary, whose embedding and output layers are large), `adapters` Houlsby adapters.
     """
     length = check_rank("transformer", input_shape, 1, TOKENS)[0]

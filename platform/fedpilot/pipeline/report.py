@@ -41,7 +41,7 @@ def stage_report(stage: FederatedStage, split: ParamSplit, names: list[str], pea
               "peak_memory_bytes": peak, "rounds": stage.n_rounds}
     params, sample = {n: p.detach() for n, p in stage.model.named_parameters()}, data.inputs(data.x[:1])
     backprop = backprop_bytes(stage.model, lambda: stage.algorithm.forward(stage.model, params, sample))
-    memory["estimated_training_bytes"] = estimated_training_bytes(  # paper 000's estimate, one client (App. B.4)
+    memory["estimated_training_bytes"] = estimated_training_bytes(  # Pillutla et al., App. B.4: one client
         memory["shared_bytes"], memory["personal_bytes_per_client"], backprop)
     clients: dict[str, Any] = {"client": list(range(data.n_clients)), "name": list(names)}
     clients.update({f"{s}_samples": data.sizes[s].tolist() for s in ("train", *SPLITS)})

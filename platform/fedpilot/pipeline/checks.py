@@ -23,8 +23,9 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.data.federated import FederatedData, build_federated_data
 from fedpilot.engine.protocol import Algorithm, Part
 from fedpilot.errors import SpecError, check_memory
+from fedpilot.metric_names import recorded_metrics
 from fedpilot.models.options import MODELS, PRESETS, SCHEMAS, ModelOptions, reads_tokens, token_readers
-from fedpilot.spec import PipelineSpec, StageSpec, recorded_metrics
+from fedpilot.spec import PipelineSpec, StageSpec
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,104 @@
+"""A pipeline's `search:` block: the space over spec keys, the objective(s) among the recorded validation metrics
+and footprints (fedpilot.metric_names), the budget, Optuna's sampler and pruner."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from fedpilot.errors import SpecError
+from fedpilot.metric_names import OBJECTIVE_METRICS, default_direction
+from fedpilot.names import check_name
+from fedpilot.schema import Seed, Strict
+from fedpilot.settings import SQL_INT_MAX
+
+
+class Param(Strict):
+    """One dimension of a search space: float/int in [low, high] (optionally log-scaled, stepped) or categorical."""
+
+    type: Literal["float", "int", "categorical"]
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = Field(None, gt=0)
+    choices: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Param:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs a non-empty `choices` list")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter needs `low` and `high`")
+        if self.low > self.high:
+            raise ValueError(f"low={self.low:g} > high={self.high:g}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0 (low={self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("give `log` or `step`, not both")
+        if self.type == "int" and not all(float(v).is_integer() for v in (self.low, self.high, self.step or 1)):
+            raise ValueError("an int parameter's low, high and step are whole numbers")
+        return self
+
+
+class Objective(Strict):
+    """A recorded metric of one stage (default: the last) to optimize; validation or footprint, never test."""
+
+    metric: str
+    stage: int | str = -1
+    direction: Literal["maximize", "minimize"] | None = None  # default: default_direction(metric)
+
+    @field_validator("metric")
+    @classmethod
+    def _recorded(cls, metric: str) -> str:
+        if metric.startswith("test_"):
+            raise ValueError("searches never optimize test metrics; use the validation split (val_...)")
+        if metric not in OBJECTIVE_METRICS:
+            raise SpecError("search.objective.metric", metric, "not a recorded stage metric", OBJECTIVE_METRICS)
+        return metric
+
+    @model_validator(mode="after")
+    def _direction(self) -> Objective:
+        self.direction = self.direction or default_direction(self.metric)
+        return self
+
+
+class SamplerSpec(Strict):
+    """Optuna's sampler and its seed (at most SEED_MAX: Optuna's samplers seed numpy's RandomState)."""
+
+    kind: Literal["tpe", "random", "nsga2"] = "tpe"
+    seed: Seed = 0
+
+
+class PrunerSpec(Strict):
+    """Pruning from the engine's intermediate evaluations (single-objective searches only)."""
+
+    kind: Literal["median", "hyperband", "none"] = "median"
+    startup_trials: int = Field(2, ge=0)
+    warmup_rounds: int = Field(0, ge=0)
+
+
+class SearchSpec(Strict):
+    """A pipeline's `search:` block: the space over spec keys, the objective(s), the budget, sampler and pruner."""
+
+    study: str | None = None
+    space: dict[str, Param] = Field(min_length=1)
+    objective: list[Objective] = Field(min_length=1)
+    trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
+    timeout_s: float | None = Field(None, gt=0)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_objective(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("objective"), dict):
+            return {**value, "objective": [value["objective"]]}
+        return value
+
+    @field_validator("study")
+    @classmethod
+    def _named(cls, study: str | None) -> str | None:
+        return study if study is None else check_name("search.study", study)

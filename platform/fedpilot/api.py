@@ -11,13 +11,18 @@ public test helpers).
   annotations);
 - a dataset source: a `Source` (pydantic fields = its options) whose `load` returns `RawData`;
 - a task (not pluggable yet): `Task`, what the engine scores a model's outputs by (cohorts train with it);
-- `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2.
+- `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2;
+- `Tensors`: `dict[str, torch.Tensor]`, tensors by parameter name (parameters, gradients, masks, client state).
+
+Deprecated: `Params`, the old name of `Tensors`, kept for one release; it read like `Algorithm.Params` (`self.p`),
+the hyperparameter class, which is a different thing. Importing it warns.
 
 Importing this module is cheap (no torch); the names that need torch or numpy load them on first use.
 """
 
+import warnings
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpilot.engine.protocol import (
     PERSONAL_AND_SHARED,
@@ -37,19 +42,31 @@ _LAZY = {
     "WeightedMean": "fedpilot.engine.aggregate",  # the default aggregator, to subclass
     "LocalConfig": "fedpilot.engine.config",  # the stage's `local` block (cohort.local)
     "round_generator": "fedpilot.engine.batches",  # a torch.Generator seeded by (seed, stage, round, ...)
-    "Params": "fedpilot.engine.local",  # dict[str, torch.Tensor]: parameters by name
     "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model returns one or subclasses it
     "Source": "fedpilot.data.config",  # a dataset source: options (pydantic fields) and `load`
     "RawData": "fedpilot.data.sources",  # what a source's `load` returns: features, targets, natural clients
     "Task": "fedpilot.engine.task",  # what outputs are scored by: loss, per-sample metrics
 }
 
-__all__ = ["PERSONAL_AND_SHARED", "Aggregator", "Algorithm", "AlgorithmParams", "ReducibleAggregator", "RoundInfo",
-           "SpecError", "StatefulParams", "Upload",
+if TYPE_CHECKING:
+    import torch
+
+    Tensors = dict[str, torch.Tensor]
+    Params = Tensors  # deprecated: the old name of Tensors
+
+__all__ = ["PERSONAL_AND_SHARED", "Aggregator", "Algorithm", "AlgorithmParams", "Params", "ReducibleAggregator",
+           "RoundInfo", "SpecError", "StatefulParams", "Tensors", "Upload",
            *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("Tensors", "Params"):  # a name for a type, not a module's: defined here, torch loaded on first use
+        if name == "Params":
+            warnings.warn("fedpilot.api.Params is deprecated: use fedpilot.api.Tensors (dict[str, torch.Tensor])",
+                          DeprecationWarning, stacklevel=2)
+        import torch
+
+        return dict[str, torch.Tensor]
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(_LAZY[name]), name)

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from fedpilot.api import Algorithm, LocalConfig, Params
+from fedpilot.api import Algorithm, LocalConfig, Tensors
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.stage import FederatedStage
@@ -93,7 +93,7 @@ def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
 
 def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: dict[str, Any] | None = None,
               execution: str = "sequential", chunk: int = 1, local: LocalConfig | None = None,
-              model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None) -> tuple[Params, Params]:
+              model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None) -> tuple[Tensors, Tensors]:
     """(shared parameters, personal bank) after 4 rounds of 7 clients of ToyData (seed 3) with `execution` in chunks
     of `chunk` clients. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
     `params`; `personal`: the personal parameter names (None: all); `model`: a zero-argument factory of a fresh model
@@ -114,7 +114,7 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     return shared, bank
 
 
-def assert_close(a: Params, b: Params) -> None:
+def assert_close(a: Tensors, b: Tensors) -> None:
     """Same names, and every tensor equal within float tolerance."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for name in a:

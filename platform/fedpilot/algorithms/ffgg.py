@@ -58,16 +58,23 @@ Choices the paper leaves open (each one tested in tests/test_algo_ffgg.py):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+import torch
 from pydantic import Field
 
-from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, RoundInfo, Upload, WeightedMean
-
-if TYPE_CHECKING:
-    import torch
-
-    from fedpilot.api import Cohort, LocalConfig, Params
+from fedpilot.api import (
+    Aggregator,
+    Algorithm,
+    AlgorithmParams,
+    Cohort,
+    LocalConfig,
+    RoundInfo,
+    Tensors,
+    Upload,
+    WeightedMean,
+    round_generator,
+)
 
 DELAYS, ATTACK_NOISE, BUCKETS, BYZANTINES = 1, 2, 3, 4  # tags of the seeded generators (never a plan's phase key)
 
@@ -130,20 +137,18 @@ class Ffgg(Stateless):
     Params = FfggParams
 
     def local_update(self, cohort: Cohort) -> Upload:
-        import torch
-
         model = self.client_model(cohort)
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau, model)  # Algorithm 2
         grad = cohort.gradient("shared", epochs=self.p.grad_epochs, shared=model)
         return Upload(grad=grad, weight=torch.ones_like(cohort.weights))
 
-    def client_model(self, cohort: Cohort) -> Params | None:
+    def client_model(self, cohort: Cohort) -> Tensors | None:
         """The shared parameters each client works at [K, ...], or None for the broadcast theta_r."""
         return None
 
 
 def personal_steps(cohort: Cohort, lr: float | None, steps: int | torch.Tensor | None,
-                   model: Params | None = None) -> Params:
+                   model: Tensors | None = None) -> Tensors:
     """SGD steps on w (null: the local block) with theta fixed, at `model` if given. Without a personal part there
     is nothing to tune: FFGG is then distributed gradient descent and Local FFGG is FedAvg (paper, Sec. 2)."""
     if not cohort.personal:
@@ -158,8 +163,6 @@ class LocalFfgg(Stateless):
     Params = LocalFfggParams
 
     def local_update(self, cohort: Cohort) -> Upload:
-        import torch
-
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau)  # Algorithm 2
         budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.p.alt_steps)
         theta = None
@@ -172,8 +175,6 @@ class LocalFfgg(Stateless):
 
 def alternations(local: LocalConfig, sizes: torch.Tensor, alt_steps: int | None) -> torch.Tensor:
     """K for clients with `sizes` train samples: `alt_steps`, or each one's step count of the `local` budget."""
-    import torch
-
     if alt_steps is not None or local.steps is not None:
         return torch.full_like(sizes, alt_steps or local.steps)
     return torch.ceil(local.epochs * torch.ceil(sizes / local.batch_size)).long()
@@ -188,9 +189,7 @@ class AsyncFfgg(Ffgg):
     def aggregator(self) -> RecentModels:
         return RecentModels(self.p.max_delay)
 
-    def client_model(self, cohort: Cohort) -> Params:
-        import torch
-
+    def client_model(self, cohort: Cohort) -> Tensors:
         models = {**cohort.server_state.get("models", {}), cohort.round: cohort.shared}
         delays = draw_delays(cohort.round_key, cohort.cohort_size, self.p.max_delay)[cohort.rows]
         origin = (cohort.round - delays).clamp_min(min(models))
@@ -205,7 +204,7 @@ class RecentModels(WeightedMean):
         super().__init__()
         self.max_delay = max_delay
 
-    def result(self, info: RoundInfo, state: dict) -> tuple[Params, dict]:
+    def result(self, info: RoundInfo, state: dict) -> tuple[Tensors, dict]:
         kept = {r: m for r, m in state.get("models", {}).items() if r > info.round - self.max_delay}
         if self.max_delay:
             kept[info.round] = {n: v.clone() for n, v in info.broadcast.items()}
@@ -214,10 +213,6 @@ class RecentModels(WeightedMean):
 
 def draw_delays(round_key: tuple[int, ...], cohort_size: int, max_delay: int) -> torch.Tensor:
     """The delays of a whole cohort [cohort_size], uniform on {0, .., max_delay}, from its (seed, stage, round)."""
-    import torch
-
-    from fedpilot.api import round_generator
-
     gen = round_generator(*round_key, 0, DELAYS)
     return torch.randint(0, max_delay + 1, (cohort_size,), generator=gen)
 
@@ -232,8 +227,6 @@ class RobustFfgg(Ffgg):
         return RobustAggregate(self.p.rule, self.p.bucket_size, self.p.trim)
 
     def local_update(self, cohort: Cohort) -> Upload:
-        import torch
-
         upload = super().local_update(cohort)
         seed, stage = cohort.round_key[:2]
         byzantine = byzantine_clients(seed, stage, cohort.n_clients, self.p.byzantine_fraction)
@@ -242,12 +235,8 @@ class RobustFfgg(Ffgg):
         upload.grad = {n: torch.where(bad.view(-1, *[1] * (g.dim() - 1)), sent[n], g) for n, g in upload.grad.items()}
         return upload
 
-    def attack(self, cohort: Cohort, grads: Params) -> Params:
+    def attack(self, cohort: Cohort, grads: Tensors) -> Tensors:
         """What Byzantine clients send instead of their honest `grads` [K, ...]."""
-        import torch
-
-        from fedpilot.api import round_generator
-
         scale = self.p.attack_scale
         if self.p.attack == "sign_flip":
             return {n: -scale * g for n, g in grads.items()}
@@ -258,10 +247,6 @@ class RobustFfgg(Ffgg):
 
 def byzantine_clients(seed: int, stage: int, n_clients: int, fraction: float) -> torch.Tensor:
     """The stage's fixed Byzantine clients: floor(fraction * n_clients) ids from a (seed, stage) permutation."""
-    import torch
-
-    from fedpilot.api import round_generator
-
     count = math.floor(fraction * n_clients)
     return torch.randperm(n_clients, generator=round_generator(seed, stage, 0, 0, BYZANTINES))[:count]
 
@@ -271,32 +256,26 @@ class RobustAggregate(Aggregator):
 
     def __init__(self, rule: str, bucket_size: int, trim: float) -> None:
         self.rule, self.bucket_size, self.trim = rule, bucket_size, trim
-        self.uploads: list[Params] = []
+        self.uploads: list[Tensors] = []
         self.upload_bytes = 0
 
     def add(self, upload: Upload, info: RoundInfo) -> None:
         self.uploads.append(upload.grad)
         self.upload_bytes += sum(g.numel() * g.element_size() for g in upload.grad.values())
 
-    def result(self, info: RoundInfo, state: dict) -> tuple[Params, dict]:
-        import torch
-
-        from fedpilot.api import round_generator
-
+    def result(self, info: RoundInfo, state: dict) -> tuple[Tensors, dict]:
         stacked = {n: torch.cat([u[n] for u in self.uploads]) for n in self.uploads[0]}
         gen = round_generator(*info.key, 0, BUCKETS)
         return robust_mean(stacked, self.rule, self.bucket_size, self.trim, gen), state
 
 
-def robust_mean(values: Params, rule: str, bucket_size: int, trim: float, gen: torch.Generator) -> Params:
+def robust_mean(values: Tensors, rule: str, bucket_size: int, trim: float, gen: torch.Generator) -> Tensors:
     """Bucketing then a coordinate-wise trimmed mean of the bucket means, for M inputs [M, ...] per name.
 
     The same random permutation of the M inputs cuts every tensor into ceil(M / bucket_size) buckets (the last
     one may be smaller); `median` keeps the middle one or two bucket means per coordinate, `trimmed_mean` drops
     floor(trim * buckets) at each end; `mean` is the plain mean of the M inputs (no defence).
     """
-    import torch
-
     if rule == "mean":
         return {name: v.mean(0) for name, v in values.items()}
     m = len(next(iter(values.values())))

@@ -29,7 +29,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedpilot.algorithms.resources import Levels, assign
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Params, SpecError, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload
 
 
 class WidthMask(nn.Module):
@@ -40,7 +40,7 @@ class WidthMask(nn.Module):
         self.layers = layers  # (module name, out features, in features, outputs are hidden, inputs are hidden)
         self.rate = nn.Parameter(torch.tensor(1.0))
 
-    def masks(self, rate: torch.Tensor) -> Params:
+    def masks(self, rate: torch.Tensor) -> Tensors:
         """0/1 masks of the sub-model at width `rate`, for every weight and bias of the layers."""
         masks = {}
         for name, out, inp, out_hidden, in_hidden in self.layers:
@@ -49,7 +49,7 @@ class WidthMask(nn.Module):
             masks[f"{name}.weight"], masks[f"{name}.bias"] = rows[:, None] * cols[None, :], rows
         return masks
 
-    def forward(self, params: Params) -> Params:
+    def forward(self, params: Tensors) -> Tensors:
         """The parameters of the sub-model at this client's rate (the others zero)."""
         masks = self.masks(self.rate.detach())
         return {n: v * masks[n] if n in masks else v for n, v in params.items()}
@@ -92,7 +92,7 @@ class HeteroFL(Algorithm):
         layers = [(n, m.out_features, m.in_features, i < last, i > 0) for i, (n, m) in enumerate(owners)]
         model.width = WidthMask(layers).to(next(model.parameters()).device)
 
-    def forward(self, model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         """The client's sub-model: the model with the entries outside its width masked."""
         width = {"rate": params["width.rate"]}
         weights = {n: v for n, v in params.items() if n != "width.rate"}

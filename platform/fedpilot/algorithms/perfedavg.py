@@ -19,14 +19,10 @@ model: a `finetune` stage with `params: {part: all}` and `local: {steps: 1, lr: 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
-
-if TYPE_CHECKING:
-    from fedpilot.api import Cohort
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
 
 
 class PerFedAvgParams(AlgorithmParams):
@@ -48,8 +44,6 @@ class PerFedAvg(Algorithm):
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        import torch
-
         k = len(cohort)
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         beta = cohort.local.lr * cohort.lr_factor

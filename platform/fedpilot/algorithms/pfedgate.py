@@ -54,7 +54,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpilot.algorithms.resources import Levels, assign, in_graph
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Params, SpecError, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload
 
 EXACT_MAX_FREE_BLOCKS = 16  # 2^16 subsets: `auto` solves the knapsack exactly up to here
 
@@ -120,7 +120,7 @@ class BlockGate(nn.Module):
         h = self.norm(x.flatten(1).to(self.block_size.dtype))
         return torch.sigmoid(self.gates(h)).mean(0), torch.sigmoid(self.importance(h)).mean(0)
 
-    def forward(self, params: Params, x: torch.Tensor) -> Params:
+    def forward(self, params: Tensors, x: torch.Tensor) -> Tensors:
         """The model's parameters scaled block-wise by M~ = I_ST * M for this batch."""
         m, g = self.predict(x)
         scale = (self.select(g.detach(), self.budget.detach()) - g.detach() + g) * m + in_graph(self.budget)
@@ -190,7 +190,7 @@ class PFedGate(Algorithm):
         model.gate = BlockGate(math.prod(input_shape), shapes, p.blocks, p.s, p.s_min, p.knapsack,
                                p.smallest_budget).to(like.device)
 
-    def forward(self, model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         """The model with its weights scaled block-wise by this batch's sparse gated weights M~ (Eq. 6); `params`
         holds the client's gate (`gate.*`) next to the model's own parameters."""
         gate = {n.removeprefix("gate."): v for n, v in params.items() if n.startswith("gate.")}

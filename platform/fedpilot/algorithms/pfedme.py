@@ -22,14 +22,10 @@ makes both the full local loss); the clients are evaluated with their theta_i fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
-
-if TYPE_CHECKING:
-    from fedpilot.api import Cohort
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
 
 
 class PFedMeParams(AlgorithmParams):
@@ -54,8 +50,6 @@ class PFedMe(Algorithm):
         return "all"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        import torch
-
         k = len(cohort)
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         cohort.personal = {n: v.clone() for n, v in w.items()}

@@ -39,16 +39,10 @@ and Eqs. 1-6. Choices where the paper is ambiguous:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import torch
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, WeightedMean
-
-if TYPE_CHECKING:
-    import torch
-
-    from fedpilot.api import Cohort, Params
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, Cohort, StatefulParams, Tensors, Upload, WeightedMean
 
 
 class PflegoParams(StatefulParams):
@@ -65,7 +59,7 @@ class PflegoParams(StatefulParams):
 class WeightedSum(WeightedMean):
     """Sum over the round's clients of weight_i * upload_i (no division by the total weight)."""
 
-    def normalized(self) -> Params:
+    def normalized(self) -> Tensors:
         return dict(self.total)
 
 

@@ -21,7 +21,7 @@ import math
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fedpilot.api import Cohort, Params, round_generator
+from fedpilot.api import Cohort, Tensors, round_generator
 
 LEVELS = 5  # tag of the seeded permutation (never a batch plan's phase key)
 
@@ -61,7 +61,7 @@ def in_graph(level: torch.Tensor) -> torch.Tensor:
     return 0.0 * level
 
 
-def assign(cohort: Cohort, name: str, levels: torch.Tensor, personal: Params | None = None) -> None:
+def assign(cohort: Cohort, name: str, levels: torch.Tensor, personal: Tensors | None = None) -> None:
     """Set the cohort's personal parameter `name` [K] to its clients' rows of `levels` [n_clients] (in `personal`,
     else in the cohort's current personal parameters)."""
     values = levels.to(cohort.personal[name].device)[cohort.clients]

@@ -89,7 +89,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, Cohort, Params, RoundInfo, Upload
+from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, Cohort, RoundInfo, Tensors, Upload
 
 VARIANCE_FLOOR = 1e-12
 
@@ -110,25 +110,25 @@ def local_steps(variance: torch.Tensor, others: torch.Tensor, lr: torch.Tensor, 
     return torch.where(variance <= 0, torch.full_like(steps, l_max), steps).long()
 
 
-def initial_point(personal: Params, broadcast: Params, coefficient: torch.Tensor) -> Params:
+def initial_point(personal: Tensors, broadcast: Tensors, coefficient: torch.Tensor) -> Tensors:
     """Eq. 10: theta - c_m (theta_m - theta) with c_m = w_m / W_-m [K]; c_m = 0 starts from the broadcast."""
     return {n: broadcast[n] - _rows(coefficient, v) * (v - broadcast[n]) for n, v in personal.items()}
 
 
-def trace_variance(models: Params) -> float:
+def trace_variance(models: Tensors) -> float:
     """Eq. 14: the empirical variance (1/K) of K models, summed over all their entries."""
     k = len(next(iter(models.values())))
     return float(sum((v - v.mean(0)).pow(2).sum(dtype=torch.float64) for v in models.values()) / k)
 
 
-def precision_mean(models: Params, weights: torch.Tensor) -> Params:
+def precision_mean(models: Tensors, weights: torch.Tensor) -> Tensors:
     """Eq. 11: sum_m w_m theta_m / sum_m w_m."""
     share = weights / weights.sum()
     return {n: torch.tensordot(share.to(v.device, v.dtype), v, dims=1) for n, v in models.items()}
 
 
-def welford(count: torch.Tensor, mean: Params, variance: torch.Tensor,
-            value: Params) -> tuple[torch.Tensor, Params, torch.Tensor]:
+def welford(count: torch.Tensor, mean: Tensors, variance: torch.Tensor,
+            value: Tensors) -> tuple[torch.Tensor, Tensors, torch.Tensor]:
     """Eq. 19: fold one more model into each client's running mean and variance (1/t, summed over entries)."""
     t = count + 1
     delta = {n: value[n] - m for n, m in mean.items()}
@@ -152,8 +152,8 @@ class SelfFLUpload(Upload):
 
     clients: torch.Tensor | None = None
     variance: torch.Tensor | None = None
-    optimum: Params | None = None
-    previous: Params | None = None
+    optimum: Tensors | None = None
+    previous: Tensors | None = None
 
 
 class PrecisionMean(Aggregator):
@@ -173,7 +173,7 @@ class PrecisionMean(Aggregator):
             self.upload_bytes += sum(v.numel() * v.element_size() for v in models.values())
         self.upload_bytes += upload.variance.numel() * upload.variance.element_size()
 
-    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
         broadcast = info.broadcast
         models = {n: torch.cat([u.shared[n] for u in self.uploads]) for n in broadcast}
         variance = torch.cat([u.variance for u in self.uploads]).cpu()
@@ -297,7 +297,7 @@ class SelfFL(Algorithm):
         coefficient = (own / others)[cohort.rows].masked_fill(first, 0.0)
         return steps, coefficient
 
-    def local_optimum(self, cohort: Cohort, trained: Params) -> Params | None:
+    def local_optimum(self, cohort: Cohort, trained: Tensors) -> Tensors | None:
         """Algorithm 1 uses the personal model itself as the surrogate of the local optimum."""
         return None
 
@@ -314,6 +314,6 @@ class SelfFLAug(SelfFL):
     name = "selffl_aug"
     Params = SelfFLAugParams
 
-    def local_optimum(self, cohort: Cohort, trained: Params) -> Params | None:
+    def local_optimum(self, cohort: Cohort, trained: Tensors) -> Tensors | None:
         cohort.personal = trained
         return cohort.sgd("personal", steps=self.p.optimum_steps).personal

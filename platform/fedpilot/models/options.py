@@ -1,8 +1,8 @@
 """What a pipeline may say about its model, checked without torch: the model registry, each built-in model's options
 as a schema, what inputs each model reads, and the personalization presets.
 
-A built-in model's schema (`SCHEMAS`, the keyword arguments of its builder in fedpilot.models.zoo with the same
-defaults) refuses every option its builder would refuse and every one that would only fail once training starts:
+A built-in model's schema (`SCHEMAS`) is where its options are declared, once: names, types, defaults; its builder
+in fedpilot.models.zoo takes them from there (`builder_signature`, `checked`). The schema refuses every option its builder would refuse and every one that would only fail once training starts:
 unknown options, types, ranges (sizes of at least 1, an LSTM of at least one layer) and constraints between options
 (`d_model` divisible by `n_heads`); its `fits` checks it against the built dataset (token ids or features, images of
 rank 3 and at least 4x4 pixels for the CNN, a `context` as long as the sequences, a `vocab_size` that holds the data's
@@ -242,6 +242,24 @@ def _checker(annotation: Any) -> TypeAdapter:
         return TypeAdapter(annotation, config=ConfigDict(arbitrary_types_allowed=True))
 
 
+def checked(schema: type[ModelOptions], options: dict[str, Any]) -> ModelOptions:
+    """`options` of a built-in model validated by its `schema`, defaults filled in; a SpecError on `model.<option>`."""
+    try:
+        return schema.model_validate(options)
+    except ValidationError as err:
+        raise from_validation(err, schema, "model") from None
+
+
+def builder_signature(schema: type[ModelOptions]) -> inspect.Signature:
+    """The signature of a built-in builder, (input_shape, num_classes, *, <schema's fields with their defaults>)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    head = [inspect.Parameter("input_shape", kind, annotation=tuple[int, ...]),
+            inspect.Parameter("num_classes", kind, annotation=int)]
+    return inspect.Signature([*head, *(
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=f.get_default(call_default_factory=True),
+                          annotation=f.annotation) for n, f in schema.model_fields.items())])
+
+
 def option_names(name: str) -> list[str]:
     """The options model `name` takes (a plugin is loaded to find out)."""
     return list(SCHEMAS[name].model_fields) if name in SCHEMAS else list(_plugin_options(name))
@@ -257,11 +275,8 @@ def validated_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         if key not in allowed:
             raise SpecError(f"model.{key}", value, f"not an option of model {name!r}", allowed=allowed)
     if name in SCHEMAS:
-        try:
-            checked = SCHEMAS[name].model_validate(options)
-        except ValidationError as err:
-            raise from_validation(err, SCHEMAS[name], "model") from None
-        return {key: getattr(checked, key) for key in options}
+        valid = checked(SCHEMAS[name], options)
+        return {key: getattr(valid, key) for key in options}
     parameters = _plugin_options(name)
     typed = {}
     for key, value in options.items():  # each option as its builder's signature types it

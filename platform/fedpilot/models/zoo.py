@@ -1,13 +1,18 @@
 """The built-in models. Every model is `head(body(x))`: `body` maps inputs to features, `head` is a Linear. Their
 registry, their options' schemas and what they read live in fedpilot.models.options (no torch there).
 
+A built-in builder declares no options of its own: `@takes(Schema)` gives it its schema's (names, types and
+defaults, declared once in fedpilot.models.options) and hands it the validated schema.
+
 The engine relies on that split (trunk features once when only the head is personal) and on models being
 functional-friendly: no BatchNorm (GroupNorm / LayerNorm instead), no state changed in forward.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +24,17 @@ from fedpilot.models.options import (
     IMAGES,
     MODELS,
     TOKENS,
-    check_groups,
-    check_heads,
+    CharLstmOptions,
+    CnnOptions,
+    LogregOptions,
+    MlpOptions,
+    ModelOptions,
+    Resnet18Options,
+    TextClassifierOptions,
+    TransformerOptions,
+    builder_signature,
     check_rank,
+    checked,
     option_names,
     validated_options,
 )
@@ -45,30 +58,49 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-def logreg(input_shape: tuple[int, ...], num_classes: int) -> Net:
+Build = Callable[[tuple[int, ...], int, Any], Net]
+
+
+def takes(schema: type[ModelOptions]) -> Callable[[Build], Callable[..., Net]]:
+    """A built-in builder called as builder(input_shape, num_classes, **options), whose options are `schema`'s: its
+    signature shows them, and `build` gets them validated with the defaults filled in."""
+    def wrap(build: Build) -> Callable[..., Net]:
+        @functools.wraps(build)
+        def builder(input_shape: tuple[int, ...], num_classes: int, **options: Any) -> Net:
+            return build(tuple(input_shape), num_classes, checked(schema, options))
+
+        builder.__signature__ = builder_signature(schema)  # type: ignore[attr-defined]
+        return builder
+    return wrap
+
+
+@takes(LogregOptions)
+def logreg(input_shape: tuple[int, ...], num_classes: int, o: LogregOptions) -> Net:
     """Multinomial logistic regression on the flattened input."""
     return Net(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
 
 
-def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | tuple[int, ...] = (200,)) -> Net:
+@takes(MlpOptions)
+def mlp(input_shape: tuple[int, ...], num_classes: int, o: MlpOptions) -> Net:
     """Flatten, then Linear+ReLU per hidden size."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
-    for h in hidden:
+    for h in o.hidden:
         layers += [nn.Linear(width, h), nn.ReLU()]
         width = h
     return Net(nn.Sequential(*layers), nn.Linear(width, num_classes))
 
 
-def cnn(input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> Net:
+@takes(CnnOptions)
+def cnn(input_shape: tuple[int, ...], num_classes: int, o: CnnOptions) -> Net:
     """The 2-conv CNN of FedAvg (McMahan et al. 2017) for EMNIST/FEMNIST: ~1.7M parameters at 28x28, 62 classes."""
     channels, height, width = check_rank("cnn", input_shape, 3, IMAGES)
     body = nn.Sequential(
         nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * (height // 4) * (width // 4), hidden), nn.ReLU(),
+        nn.Flatten(), nn.Linear(64 * (height // 4) * (width // 4), o.hidden), nn.ReLU(),
     )
-    return Net(body, nn.Linear(hidden, num_classes))
+    return Net(body, nn.Linear(o.hidden, num_classes))
 
 
 class BasicBlock(nn.Module):
@@ -90,10 +122,11 @@ class BasicBlock(nn.Module):
         return self.adapter(F.relu(self.norm2(self.conv2(out)) + self.shortcut(x)))
 
 
-def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64, groups: int = 2) -> Net:
+@takes(Resnet18Options)
+def resnet18(input_shape: tuple[int, ...], num_classes: int, o: Resnet18Options) -> Net:
     """ResNet-18 with GroupNorm (2 groups, as in Hsieh et al. 2020), 3x3 stride-1 stem, no max-pool."""
     channels = check_rank("resnet18", input_shape, 3, IMAGES)[0]
-    check_groups(width, groups)
+    width, groups = o.width, o.groups
     layers: list[nn.Module] = [nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.GroupNorm(groups, width),
                                nn.ReLU()]
     cin = width
@@ -146,8 +179,8 @@ class Block(nn.Module):
         return x + self.adapter_mlp(self.mlp(self.ln2(x)))
 
 
-def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
-                context: int | None = None, d_model: int = 128, n_layers: int = 2, n_heads: int = 4) -> Net:
+@takes(TransformerOptions)
+def transformer(input_shape: tuple[int, ...], num_classes: int, o: TransformerOptions) -> Net:
     """A small GPT-style causal transformer: token ids [B, T] -> next-token logits [B, T, vocab] (the Stack
     Overflow model of Pillutla et al., ICML 2022: 4 layers, d_model 192, configs/model/transformer-so.yaml).
 
@@ -156,11 +189,10 @@ def transformer(input_shape: tuple[int, ...], num_classes: int, vocab_size: int 
     choice for a 10,000-word vocabulary, whose embedding and output layers are large), `adapters` Houlsby adapters.
     """
     length = check_rank("transformer", input_shape, 1, TOKENS)[0]
-    check_heads(d_model, n_heads)
-    vocab = vocab_size or num_classes
-    blocks = [Block(d_model, n_heads) for _ in range(n_layers)]
-    body = nn.Sequential(Embed(vocab, context or length, d_model), *blocks, nn.LayerNorm(d_model))
-    return Net(body, nn.Linear(d_model, vocab), presets=_block_presets(n_layers))
+    vocab = o.vocab_size or num_classes
+    blocks = [Block(o.d_model, o.n_heads) for _ in range(o.n_layers)]
+    body = nn.Sequential(Embed(vocab, o.context or length, o.d_model), *blocks, nn.LayerNorm(o.d_model))
+    return Net(body, nn.Linear(o.d_model, vocab), presets=_block_presets(o.n_layers))
 
 
 def _block_presets(n_layers: int) -> dict[str, list[str]]:
@@ -180,13 +212,13 @@ class Recurrent(nn.Module):
         return self.lstm(self.embed(idx))[0]
 
 
-def char_lstm(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None, embed_dim: int = 8,
-              hidden: int = 256, layers: int = 2) -> Net:
+@takes(CharLstmOptions)
+def char_lstm(input_shape: tuple[int, ...], num_classes: int, o: CharLstmOptions) -> Net:
     """LEAF's Shakespeare model: an 8-dimensional character embedding, 2 LSTM layers of 256, next-character logits
     at every position [B, T, vocab]."""
     check_rank("char_lstm", input_shape, 1, TOKENS)
-    vocab = vocab_size or num_classes
-    return Net(Recurrent(vocab, embed_dim, hidden, layers), nn.Linear(hidden, vocab))
+    vocab = o.vocab_size or num_classes
+    return Net(Recurrent(vocab, o.embed_dim, o.hidden, o.layers), nn.Linear(o.hidden, vocab))
 
 
 class PooledEncoder(nn.Module):
@@ -201,27 +233,24 @@ class PooledEncoder(nn.Module):
         return (self.encoder(idx) * real).sum(-2) / real.sum(-2).clamp_min(1.0)
 
 
-def text_classifier(input_shape: tuple[int, ...], num_classes: int, vocab_size: int | None = None,
-                    pad_id: int | None = None, encoder: str = "transformer", d_model: int = 64, n_layers: int = 2,
-                    n_heads: int = 4) -> Net:
+@takes(TextClassifierOptions)
+def text_classifier(input_shape: tuple[int, ...], num_classes: int, o: TextClassifierOptions) -> Net:
     """A sequence classifier (Sent140-like tasks): a bidirectional transformer encoder (or an LSTM, `encoder:
     lstm`) over the tokens, mean-pooled over the real tokens (those that are not `pad_id`, default the data's),
     then a linear head over the classes."""
-    pad_id = 0 if pad_id is None else pad_id
+    pad_id = 0 if o.pad_id is None else o.pad_id
     length = check_rank("text_classifier", input_shape, 1, TOKENS)[0]
-    if vocab_size is None:
+    if o.vocab_size is None:
         raise SpecError("model.vocab_size", None, "text_classifier needs a vocabulary: tokenize a text column "
                         "(dataset.text) or give model.vocab_size")
-    if encoder == "lstm":
-        return Net(PooledEncoder(Recurrent(vocab_size, d_model, d_model, n_layers), pad_id),
-                   nn.Linear(d_model, num_classes))
-    if encoder != "transformer":
-        raise SpecError("model.encoder", encoder, "unknown encoder", allowed=["transformer", "lstm"])
-    check_heads(d_model, n_heads)
-    blocks = [Block(d_model, n_heads, causal=False) for _ in range(n_layers)]
-    trunk = nn.Sequential(Embed(vocab_size, length, d_model), *blocks, nn.LayerNorm(d_model))
-    presets = {k: [r.replace(r"body\.", r"body\.encoder\.") for r in v] for k, v in _block_presets(n_layers).items()}
-    return Net(PooledEncoder(trunk, pad_id), nn.Linear(d_model, num_classes), presets=presets)
+    if o.encoder == "lstm":
+        return Net(PooledEncoder(Recurrent(o.vocab_size, o.d_model, o.d_model, o.n_layers), pad_id),
+                   nn.Linear(o.d_model, num_classes))
+    blocks = [Block(o.d_model, o.n_heads, causal=False) for _ in range(o.n_layers)]
+    trunk = nn.Sequential(Embed(o.vocab_size, length, o.d_model), *blocks, nn.LayerNorm(o.d_model))
+    presets = {k: [r.replace(r"body\.", r"body\.encoder\.") for r in v]
+               for k, v in _block_presets(o.n_layers).items()}
+    return Net(PooledEncoder(trunk, pad_id), nn.Linear(o.d_model, num_classes), presets=presets)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, tokens: dict[str, int] | None = None,

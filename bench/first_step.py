@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from workload import WORKLOADS, build_model
 
-from fedpilot.engine.cohort import EXECUTORS, plain_forward
-from fedpilot.engine.local import Batches, Params, StepRule, TrainStats, executor_candidates
-from fedpilot.engine.memory import keep_freed_memory
+from fedpilot.engine.accel import EXECUTORS, executor_candidates
+from fedpilot.engine.accel.memory import keep_freed_memory
+from fedpilot.engine.accel.timing import fastest
+from fedpilot.engine.executor import Batches, Params, StepRule, TrainStats, plain_forward
 from fedpilot.engine.task import CLASSIFICATION
-from fedpilot.engine.timing import fastest
 
 LR = 0.05
 

@@ -8,7 +8,7 @@ import torch
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.api import Algorithm
 from fedpilot.engine import Cohort, LocalConfig, StageConfig, Upload
-from fedpilot.engine.local import choose_execution, executor_candidates
+from fedpilot.engine.accel import choose_execution, executor_candidates
 from fedpilot.testing import HEAD, INPUT, assert_close, assert_matches_sequential, run_stage
 
 CASES = [
@@ -90,8 +90,8 @@ def test_client_state_counts_each_clients_visits():
 def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_depends():
     from torch import nn
 
+    from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapExecutor
     from fedpilot.engine.cohort import plain_forward
-    from fedpilot.engine.local import VmapAutogradExecutor, VmapExecutor
     from fedpilot.engine.task import make_task
 
     class Unused(TinyMLP):

@@ -9,9 +9,9 @@ import torch
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.accel import VMAPPED
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.local import VMAPPED
 from fedpilot.testing import INPUT
 
 HEAD = ["head.weight", "head.bias"]
@@ -119,7 +119,7 @@ def test_flat_evaluation_without_personal_parameters_equals_the_per_client_one()
 
 
 def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_path):
-    from fedpilot.engine.local import executor_candidates
+    from fedpilot.engine.accel import executor_candidates
 
     def make(execution: str):
         torch.manual_seed(0)
@@ -143,7 +143,7 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
 
 
 def test_a_candidate_out_of_memory_on_the_first_round_leaves_the_stage_to_the_others(monkeypatch):
-    from fedpilot.engine.local import VmapExecutor
+    from fedpilot.engine.accel.vmap import VmapExecutor
 
     def out_of_memory(*args, **kwargs):  # what a GPU does when every client's gradients at once do not fit
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

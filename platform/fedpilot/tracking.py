@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import optuna
 import sqlalchemy
-from lightning.pytorch.callbacks import Callback
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
@@ -33,6 +32,7 @@ from mlflow.utils.file_utils import local_file_uri_to_path
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot import plots
+from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.errors import SpecError
 from fedpilot.settings import hidden, sqlite_file, tracking_key
 
@@ -109,13 +109,13 @@ def close_orphans(uri: str, run_id: str, reason: str) -> None:
         client.set_terminated(run_id, "KILLED")
 
 
-class RoundMetrics(Callback):
+class RoundMetrics(RoundCallback):
     """Logs each round's metrics (training stats, and validation when due) to a stage run; step = rounds done, time =
     when the round ended. The test split, evaluated once at the stage's end, is logged with the stage's other
     once-per-stage values.
 
-    Rounds reach the store together, at most `flush_seconds` apart (a write per round, ~17 ms on SQLite, was a third
-    of a small model's round), and always before a checkpoint is saved and when training ends or fails: a run
+    Rounds reach the store together, at most `flush_seconds` apart (a write per round was a large part of a small
+    model's round on SQLite), and always before a checkpoint is saved and when training ends or fails: a run
     resumed from a checkpoint holds every round before it."""
 
     flush_seconds = 1.0
@@ -125,9 +125,9 @@ class RoundMetrics(Callback):
         self.pending: list[Metric] = []
         self.flushed_at = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        metrics = {k: v for k, v in pl_module.round_log.items() if not k.startswith("test_")}
-        self.pending += self.tracker.new_metrics(self.run_id, metrics, step=trainer.global_step)
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        metrics = {k: v for k, v in result.metrics.items() if not k.startswith("test_")}
+        self.pending += self.tracker.new_metrics(self.run_id, metrics, step=result.round)
         if time.monotonic() - self.flushed_at >= self.flush_seconds:
             self.flush()
 

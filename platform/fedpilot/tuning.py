@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from lightning.pytorch.callbacks import Callback
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import Lease, connect, engine_options
+from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.errors import Diverged, SpecError
 from fedpilot.pipeline import PipelineRunner
 from fedpilot.report import log_report, short_keys
@@ -74,7 +74,7 @@ def make_pruner(spec: PipelineSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.MedianPruner(n_startup_trials=pruner.startup_trials, n_warmup_steps=pruner.warmup_rounds)
 
 
-class PruneOnEvaluation(Callback):
+class PruneOnEvaluation(RoundCallback):
     """Reports the objective's metric at each evaluation of a stage and prunes the trial when Optuna says so.
 
     Steps count rounds across the pipeline (a stage's rounds are offset by those of the stages before it), so
@@ -84,13 +84,13 @@ class PruneOnEvaluation(Callback):
     def __init__(self, trial: optuna.Trial, metric: str, offset: int):
         self.trial, self.metric, self.offset = trial, metric, offset
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        value = pl_module.round_log.get(self.metric)
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        value = result.metrics.get(self.metric)
         if value is None or not math.isfinite(value):
             return
-        self.trial.report(value, self.offset + trainer.global_step)
+        self.trial.report(value, self.offset + result.round)
         if self.trial.should_prune():
-            raise optuna.TrialPruned(f"pruned at round {self.offset + trainer.global_step}: {self.metric}={value:.4f}")
+            raise optuna.TrialPruned(f"pruned at round {self.offset + result.round}: {self.metric}={value:.4f}")
 
 
 class StudyLease:
@@ -226,8 +226,8 @@ class Search:
         self.lease.release()
         values = {key: suggest(trial, key, param) for key, param in self.search.space.items()}
         spec = with_values(self.spec, values)
-        runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False)
-        runner.extra_callbacks = self._pruning_callbacks(trial)
+        runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
+                                extra_callbacks=self._pruning_callbacks(trial))
         start = time.perf_counter()
         try:
             result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
@@ -258,7 +258,7 @@ class Search:
                 close_orphans(self.tracker.uri, run_id, f"trial {trial.number}'s process died (no heartbeat)")
                 self._closed.add(run_id)
 
-    def _pruning_callbacks(self, trial: optuna.Trial) -> Callable[[int], list[Callback]]:
+    def _pruning_callbacks(self, trial: optuna.Trial) -> Callable[[int], list[RoundCallback]]:
         """Per trained stage (given its round offset in the pipeline): the pruning callback, if the objective allows."""
         metric = self.search.objective[0].metric
         if len(self.search.objective) > 1 or not metric.startswith("val_"):

@@ -1,4 +1,7 @@
-"""The vectorized federated engine: cohorts, local SGD executors, aggregation, the stage LightningModule.
+"""The federated engine: the stage LightningModule, its cohorts, the Executor that runs their local SGD, aggregation.
+
+Read a round as stage -> cohort -> Executor -> sequential (the reference executor); engine/accel/ holds the fast
+executors behind the same Executor.
 
 Importing the package imports nothing heavy; each name below loads its module (and torch) on first use, so the
 torch-free contracts in `fedpilot.engine.protocol` and `fedpilot.engine.config` stay cheap to import.
@@ -9,6 +12,7 @@ from typing import Any
 
 _WHERE = {
     "Cohort": "cohort", "Local": "cohort", "FederatedStage": "stage", "carry_bank": "stage",
+    "Executor": "executor", "RoundCallback": "hooks", "RoundResult": "hooks",
     "WeightedMean": "aggregate", "distribution": "metrics",
     "Algorithm": "protocol", "AlgorithmParams": "protocol", "Aggregator": "protocol",
     "ReducibleAggregator": "protocol", "RoundInfo": "protocol", "Upload": "protocol", "StatefulParams": "protocol",

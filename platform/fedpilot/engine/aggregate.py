@@ -9,7 +9,7 @@ from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
 if TYPE_CHECKING:
     import torch
 
-    from fedpilot.engine.local import Params
+    from fedpilot.engine.executor import Params
 
 
 class WeightedMean(ReducibleAggregator):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -14,38 +14,28 @@ from torch.func import functional_call
 from fedpilot.engine.batches import BatchPlan, epoch_plan, round_generator, step_plan
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
-from fedpilot.engine.local import (
-    BatchedFirstStepExecutor,
+from fedpilot.engine.executor import (
     Batches,
-    BmmExecutor,
-    ChannelsLastLoopExecutor,
-    LoopExecutor,
+    Executor,
+    Forward,
     Params,
     StepRule,
     TrainStats,
-    VmapAutogradExecutor,
-    VmapExecutor,
-    choose_execution,
     plain_forward,
     precision_context,
 )
-from fedpilot.engine.sequential import SequentialExecutor
 from fedpilot.engine.task import Task
 from fedpilot.errors import NothingToTrain
 from fedpilot.models.split import ParamSplit
 
 Part = Literal["personal", "shared", "all"]
-Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
-EXECUTORS: dict[str, type] = {"vmap": VmapExecutor, "vmap_autograd": VmapAutogradExecutor, "loop": LoopExecutor,
-                              "loop_channels_last": ChannelsLastLoopExecutor,
-                              "loop_batched_first": BatchedFirstStepExecutor, "bmm": BmmExecutor,
-                              "sequential": SequentialExecutor}
+__all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "plain_forward"]
 
 
 @dataclass
 class RoundWork:
     """Everything the engine fixes for one round: data, model and how it is applied, task, local settings, seeds,
-    executor, the split, and the server's state as the round starts."""
+    the executors the stage chose, the split, and the server's state as the round starts."""
 
     model: nn.Module
     forward: Forward
@@ -54,9 +44,9 @@ class RoundWork:
     local: LocalConfig
     lr_factor: float
     seed_key: tuple[int, int, int]
-    executor: str
+    executor: Executor
     split: ParamSplit
-    measured: bool = False  # `executor` was timed on whole-model work: head-only work keeps the rule of thumb
+    head_executor: Executor | None = None  # head-only work on the body's features (None: as any other work)
     server_state: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
@@ -202,9 +192,8 @@ class Cohort:
         per_client_shared = shared is not None
         params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
         work = self.work
-        executor = EXECUTORS[choose_execution(work.executor, work.model, work.x.device)](work.forward, work.task)
         with precision_context(work.precision, work.x.device):
-            return executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
+            return work.executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
 
     def _batches(self, plan: BatchPlan) -> Batches:
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
@@ -275,12 +264,9 @@ class Cohort:
         work = self.work
         labels = work.y[plan.index]
         weight = plan.weight.to(work.x.device)
-        head_only = work.head_only(list(trainable)) and not frozen
-        module = work.model.head if head_only else work.model
-        requested = "auto" if head_only and work.measured else work.executor
-        chosen = EXECUTORS[choose_execution(requested, module, work.x.device)]
-        if chosen.uses_features and head_only:  # the shared body once, then the heads' steps on its features
-            executor, split = chosen(plain_forward, work.task), work.split
+        if work.head_executor is not None and work.head_only(list(trainable)) and not frozen:
+            # the shared body once, then the heads' steps on its features
+            executor, split = work.head_executor, work.split
             with torch.no_grad():
                 inputs = self._batches(plan).inputs(slice(None), slice(None))
                 feats = functional_call(work.model.body, split.in_body(fixed), (inputs.flatten(0, 2),))
@@ -289,5 +275,4 @@ class Cohort:
             trained = executor.train(work.model.head, split.in_head(trainable), {}, split.in_head(fixed), batches,
                                      rule.renamed(split.head), self.stats)
             return split.from_head(trained)
-        executor = chosen(work.forward, work.task)
-        return executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
+        return work.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)

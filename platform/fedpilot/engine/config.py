@@ -30,7 +30,8 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class LrSchedule(Strict):
-    """Client learning rate across rounds (held constant within a round, as in paper 000, App. B.3).
+    """Client learning rate across rounds (held constant within a round, as in Pillutla et al., ICML 2022,
+    App. B.3).
 
     constant: lr.  exponential: lr * gamma ** (round // every)  (gamma 0.5 = "halve every N rounds").
     linear: warm up linearly over `warmup` rounds (a fraction of the stage if < 1), then decay linearly to 0.

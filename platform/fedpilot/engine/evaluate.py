@@ -9,19 +9,14 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from fedpilot.engine.accel import choose
+from fedpilot.engine.accel.memory import keep_freed_memory
+from fedpilot.engine.accel.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
+from fedpilot.engine.accel.threads import for_each_client
+from fedpilot.engine.accel.timing import best_time, within_memory
 from fedpilot.engine.data import ClientData, client_major_index
-from fedpilot.engine.local import (
-    VMAPPED,
-    Forward,
-    Params,
-    choose_execution,
-    precision_context,
-)
-from fedpilot.engine.memory import keep_freed_memory
-from fedpilot.engine.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
+from fedpilot.engine.executor import Forward, Params, precision_context
 from fedpilot.engine.task import Scores, Task
-from fedpilot.engine.threads import for_each_client
-from fedpilot.engine.timing import best_time, within_memory
 from fedpilot.models.split import ParamSplit
 
 
@@ -192,7 +187,7 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
 
     if not personal:  # one model for every client: one batch
         outputs = apply({}, xb.flatten(0, 1)).unflatten(0, xb.shape[:2])
-    elif choose_execution(execution, module, source.device) in VMAPPED:
+    elif choose(execution, module, source.device).batched:
         outputs = vmap(apply)(personal, xb)
     else:
         per_client: list[torch.Tensor | None] = [None] * len(sizes)

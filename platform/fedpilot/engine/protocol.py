@@ -82,7 +82,8 @@ class AlgorithmParams(Strict):
 
 class StatefulParams(AlgorithmParams):
     """Hyperparameters of an algorithm with a stateless variant. stateful: false re-initialises a client's
-    personal part at every participation from the stage's starting value, and keeps nothing (paper 000, App. C.4)."""
+    personal part at every participation from the stage's starting value, and keeps nothing (Pillutla et al., ICML
+    2022, App. C.4)."""
 
     stateful: bool = True
 
@@ -150,6 +151,8 @@ class Algorithm(ABC):
         from torch.func import functional_call
 
         return functional_call(model, params, (x,))
+
+    forward.models_own = True  # type: ignore[attr-defined]  # the executors' fast paths for the model's own forward
 
     @abstractmethod
     def local_update(self, cohort: Cohort) -> Upload:

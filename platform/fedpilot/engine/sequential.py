@@ -10,7 +10,7 @@ import copy
 import torch
 from torch import nn
 
-from fedpilot.engine.local import Batches, Executor, Params, StepRule, TrainStats
+from fedpilot.engine.executor import Batches, Executor, Params, StepRule, TrainStats
 
 
 class SequentialExecutor(Executor):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import lightning as L
@@ -15,18 +16,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from fedpilot.engine.accel import AUTO, choose, executor_candidates
+from fedpilot.engine.accel.memory import data_fits, release_freed_memory
+from fedpilot.engine.accel.timing import fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.local import Params, executor_candidates
-from fedpilot.engine.memory import data_fits, release_freed_memory
+from fedpilot.engine.executor import Executor, Params, plain_forward
+from fedpilot.engine.hooks import RoundResult
 from fedpilot.engine.metrics import distribution
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
-from fedpilot.engine.timing import fastest
 from fedpilot.errors import Diverged, NothingToTrain, StageFailed
 from fedpilot.models.split import ParamSplit
 
@@ -74,11 +77,13 @@ class FederatedStage(L.LightningModule):
         self.data_on_device = True  # setup() keeps a federation larger than the device's budget on the host
         self.server_state = algorithm.server_state(data.n_clients)
         self.execution = config.execution  # "auto" until the first round times the candidates
+        self._executors: dict[tuple, tuple[Executor, Executor | None]] = {}  # see executors()
         self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
-        self.round_log: dict[str, float] = {}  # this round's metrics, for loggers (step = rounds done)
-        self.shown: dict[str, float] = {}  # the latest loss and val accuracy, for the progress bar
+        self.round_log: dict[str, float] = {}  # this round's metrics (step = rounds done); callbacks get round_result
+        self.shown: dict[str, float] = {}  # the latest loss and val accuracy
+        self.round_result: RoundResult | None = None  # what the latest round ended with (RoundCallback.on_round_end)
         self.rounds_run = 0  # rounds trained by this object (a resumed stage does not count the restored ones)
         self.last_round: int | None = None  # the round the last training_step ran (check_progress)
         self.last_finite_loss: float | None = None  # the latest round's training loss, named if a round diverges
@@ -115,7 +120,7 @@ class FederatedStage(L.LightningModule):
         round_idx = self.global_step
         self.check_progress(round_idx)
         try:
-            if self.execution == "auto":
+            if self.times_executors:
                 self.choose_executor(round_idx)
             start = time.perf_counter()
             stats = self.run_round(round_idx)
@@ -128,12 +133,19 @@ class FederatedStage(L.LightningModule):
         # with its footprints (comm_bytes_per_round).
         self.round_log = {"round_time_s": time.perf_counter() - start,
                           **{k: v for k, v in stats.items() if k not in ("clients", "bytes_up", "bytes_down")}}
-        self.shown["train_loss"] = stats["train_loss"]  # not self.log: its bookkeeping costs 6% of a small round
+        self.shown["train_loss"] = stats["train_loss"]  # not self.log: its bookkeeping is a cost on every round
         last = round_idx + 1 == self.n_rounds
         if last:
             self.evaluate(["val", "test"], round_idx + 1)
         elif (round_idx + 1) % self.config.eval_every == 0:
             self.evaluate(["val"], round_idx + 1, self.evaluation_sample())
+        self.round_result = RoundResult(round_idx + 1, MappingProxyType(dict(self.round_log)),
+                                        MappingProxyType(dict(self.shown)), self.execution)
+
+    @property
+    def times_executors(self) -> bool:
+        """Whether the next round first times the executor candidates (`execution: auto`, not yet chosen)."""
+        return self.execution == AUTO
 
     def check_progress(self, round_idx: int) -> None:
         """Each training step trains a new round of the stage: one past its last round, or one that did not move the
@@ -168,7 +180,7 @@ class FederatedStage(L.LightningModule):
         saved = checkpoint.get("fedpilot", {})
         self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
         self.server_state = dict(saved.get("server_state", self.server_state))
-        if self.config.execution == "auto":  # a resumed stage goes on with the executor it chose (same numbers)
+        if self.config.execution == AUTO:  # a resumed stage goes on with the executor it chose (same numbers)
             self.execution = saved.get("execution", self.execution)
             self.executor_seconds = dict(saved.get("executor_seconds", {}))
 
@@ -192,11 +204,24 @@ class FederatedStage(L.LightningModule):
         device."""
         local = self.config.local
         data = self.data if self.data_on_device else self.data.gather(clients, self.device)
+        executor, head_executor = self.executors(self.execution, timed=bool(self.executor_seconds))
         return RoundWork(model=self.model, forward=self.algorithm.forward, task=self.task, data=data, local=local,
                          lr_factor=local.schedule.factor(round_idx, self.n_rounds),
-                         seed_key=(self.seed, self.stage_index, round_idx), executor=self.execution,
-                         split=self.split, measured=bool(self.executor_seconds), server_state=self.server_state,
+                         seed_key=(self.seed, self.stage_index, round_idx), executor=executor,
+                         head_executor=head_executor, split=self.split, server_state=self.server_state,
                          precision=self.config.precision)
+
+    def executors(self, execution: str, timed: bool) -> tuple[Executor, Executor | None]:
+        """The executor of the stage's local work under `execution`, and the one of its head-only work on the body's
+        features (None: head-only work runs as any other), chosen once per stage. A `timed` choice was timed on
+        whole-model work, so head-only work keeps the rule of thumb for the head."""
+        key = (execution, timed, self.device)
+        if key not in self._executors:
+            executor = choose(execution, self.model, self.device)(self.algorithm.forward, self.task)
+            head = getattr(self.model, "head", None)
+            kind = choose(AUTO if timed else execution, head, self.device) if head is not None else None
+            self._executors[key] = executor, kind(plain_forward, self.task) if kind and kind.uses_features else None
+        return self._executors[key]
 
     def choose_executor(self, round_idx: int) -> None:
         """Time each candidate executor on the local work of the round's first chunk of clients (thrown away:
@@ -209,13 +234,16 @@ class FederatedStage(L.LightningModule):
         personal, init = self.bank.get(clients), {n: v.to(self.device) for n, v in self.personal_init.items()}
         state = self.state_bank.get(clients)
 
-        def local_work(executor: str) -> None:
+        def local_work(name: str) -> None:
             mine = {n: v.clone() for n, v in personal.items()}, {n: v.clone() for n, v in state.items()}
-            cohort = Cohort(replace(work, executor=executor), clients, rows, clients, shared, mine[0], init, mine[1])
+            executor, head_executor = self.executors(name, timed=False)
+            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor), clients, rows, clients,
+                            shared, mine[0], init, mine[1])
             self.algorithm.local_update(cohort)
 
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            choice, self.executor_seconds = fastest(executor_candidates(self.model), local_work, self.device)
+            choice, self.executor_seconds = fastest(executor_candidates(self.model, self.device), local_work,
+                                                    self.device)
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         if distributed():
             shared_choice = [choice, self.executor_seconds]
@@ -359,7 +387,7 @@ def process_rows(n: int) -> slice:
 def carry_bank(previous: FederatedStage, personal_names: list[str]) -> ClientBank:
     """The starting personal bank of the next stage: a parameter personal before keeps each client's value (and
     its shared starting value for clients that never trained), a parameter that becomes personal starts as its
-    current shared value (paper 000, App. B.2), and one new to the model (an adapter inserted since) as the
+    current shared value (Pillutla et al., ICML 2022, App. B.2), and one new to the model (an adapter inserted since) as the
     model's own initial value."""
     current = {n: p.detach() for n, p in previous.model.named_parameters()}
     init = {n: previous.bank.init[n] if n in previous.bank.names else current[n] for n in personal_names}

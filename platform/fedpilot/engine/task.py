@@ -84,8 +84,8 @@ class Classification(Task):
 
 class NextToken(Task):
     """Next-token prediction over windows [B, T]: the loss over every non-padding target, the accuracy over real
-    tokens only (not padding, out-of-vocabulary, begin or end markers: paper 000 and TFF's Stack Overflow task),
-    both per token (a client's accuracy is its hits over all its real tokens)."""
+    tokens only (not padding, out-of-vocabulary, begin or end markers: Pillutla et al., ICML 2022, and TFF's Stack
+    Overflow task), both per token (a client's accuracy is its hits over all its real tokens)."""
 
     name = "next_token"
     metrics = ("acc", "loss")

@@ -9,15 +9,17 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.tracking import quiet_mlflow
 
 
-class RoundProgress(TQDMProgressBar):
+class RoundProgress(TQDMProgressBar, RoundCallback):
     """Lightning's progress bar counting the stage's rounds, with the latest loss and val accuracy."""
 
     def __init__(self, label: str):
         super().__init__()
         self.label = label
+        self.shown: dict[str, float] = {}  # the latest round's `shown` values
 
     @property
     def train_description(self) -> str:
@@ -29,18 +31,22 @@ class RoundProgress(TQDMProgressBar):
         self.train_progress_bar.set_description(self.label)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if getattr(pl_module, "execution", None) == "auto":  # the first round times the candidates (seconds, for a CNN)
+        if getattr(pl_module, "times_executors", False):  # a first round that times the candidates takes longer
             self.train_progress_bar.set_postfix_str("timing the executor candidates on the first round", refresh=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.train_progress_bar.n = trainer.global_step
-        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
+        RoundCallback.on_train_batch_end(self, trainer, pl_module, *args)
+
+    def on_round_end(self, trainer: L.Trainer, stage: L.LightningModule, result: RoundResult) -> None:
+        self.shown = dict(result.shown)
+        self.train_progress_bar.n = result.round
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, stage), refresh=True)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        """The stage's latest loss and val accuracy (`FederatedStage.shown`), without Lightning's version number."""
+        """The latest round's loss and val accuracy (`RoundResult.shown`), without Lightning's version number."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
-        return {**metrics, **{k: f"{v:.3g}" for k, v in getattr(pl_module, "shown", {}).items()}}
+        return {**metrics, **{k: f"{v:.3g}" for k, v in self.shown.items()}}
 
 
 def quiet_lightning() -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.summary import describe
-from fedpilot.engine.memory import PeakMemory
+from fedpilot.engine.accel.memory import PeakMemory
 from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.errors import StageFailed
 from fedpilot.models import MODELS, ParamSplit, apply_split
@@ -59,7 +59,9 @@ class PipelineRunner:
     """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
 
     def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True,
-                 use_cache: bool = True):
+                 use_cache: bool = True, extra_callbacks: Callable[[int], list[Callback]] | None = None):
+        """`extra_callbacks(round_offset)`: more callbacks for each trained stage, given the rounds of the stages
+        before it (a search's pruning callback)."""
         self.spec, self.progress, self.use_cache = spec, progress, use_cache
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
@@ -68,7 +70,7 @@ class PipelineRunner:
         self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
-        self.extra_callbacks: Callable[[int], list[Callback]] = lambda round_offset: []
+        self.extra_callbacks = extra_callbacks or (lambda round_offset: [])
         self.rounds_trained = 0
         self.run_id: str | None = None  # the pipeline's MLflow run once run() created or resumed it
         self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
@@ -248,7 +250,7 @@ class PipelineRunner:
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k},
                      **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()}}
-            self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # timed on the first round
+            self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)

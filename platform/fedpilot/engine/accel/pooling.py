@@ -1,8 +1,7 @@
 """2-d pooling in the memory layout measured fastest for each input, inside eager forward passes.
 
-torch's CPU max pooling of an NCHW tensor is an order of magnitude slower than of the same tensor channels-last
-(bench/README.md: 1.34 ms against 0.09 ms for [10, 32, 28, 28] on AMD EPYC), while convolutions are often
-faster NCHW. `MeasuredPooling` runs each pooling call of an NCHW-contiguous input in whichever layout a timing of
+torch's CPU max pooling of an NCHW tensor is much slower than of the same tensor channels-last (bench/README.md),
+while convolutions are often faster NCHW. `MeasuredPooling` runs each pooling call of an NCHW-contiguous input in whichever layout a timing of
 that call's shape measured faster (once per process and shape), and hands the output back NCHW, so the
 layers around it keep their layout. The values are the same: only where the pooling reads and writes changes.
 """
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fedpilot.engine.timing import fastest
+from fedpilot.engine.accel.timing import fastest
 
 POOLINGS = frozenset({F.max_pool2d, F.max_pool2d_with_indices, F.avg_pool2d, F.adaptive_max_pool2d,
                       F.adaptive_avg_pool2d, F.lp_pool2d, torch.max_pool2d})
@@ -36,7 +35,7 @@ def _nchw(out: Any) -> Any:
 
 class _NchwGradient(torch.autograd.Function):
     """The identity, whose gradient goes back NCHW-contiguous: the pooling's backward writes it channels-last,
-    and the NCHW layers before it (a ReLU's backward) are many times slower on a gradient of the other layout."""
+    and the NCHW layers before it (a ReLU's backward) are slower on a gradient of the other layout."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.task import Task
-from fedpilot.engine.threads import for_each_client
 
 Params = dict[str, torch.Tensor]
 

@@ -2,7 +2,7 @@
 it back between stages) and the peak a stage reaches.
 
 Every round allocates the same large buffers again (a cohort's trained copies, gradients); with glibc's
-defaults they are fresh mmap pages that fault on first touch, ~20% of the CNN round's CPU time on 2 cores
+defaults they are fresh mmap pages that fault on first touch, a large part of a CNN round's CPU time
 (bench/README.md). `keep_freed_memory` makes glibc reuse freed memory instead; `release_freed_memory` hands
 what is free back to the system, so a stage's resident memory (its recorded peak) starts from what is in use.
 """

@@ -2,7 +2,7 @@
 with each Linear layer applied to each client's rows as one batched matrix product with that client's weights.
 
 For small models a local step is dispatch and memory traffic, not arithmetic: functorch's batching of the forward
-pass costs about a millisecond a step whatever the model's size (bench/README.md), and a separate SGD update reads
+pass costs a fixed amount per step whatever the model's size (bench/README.md), and a separate SGD update reads
 every client's weights and gradients once more. Here the forward pass is the traced graph, a few batched products;
 autograd gives each trained layer's gradient at its output G [K, n, out], and the layer's weight gradient is
 G^T A [K, out, in] with its input A, so plain SGD runs as one in-place `baddbmm_` per layer (W -= lr G^T A), with no

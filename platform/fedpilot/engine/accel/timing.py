@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import torch
 
-from fedpilot.engine.memory import release_freed_memory
+from fedpilot.engine.accel.memory import release_freed_memory
 
 T = TypeVar("T")
 

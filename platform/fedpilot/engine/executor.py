@@ -1,0 +1,190 @@
+"""What an executor is: the local steps of a batch plan for a chunk of clients, under one step rule.
+
+Parameters are dicts of tensors with a leading client dimension [K, ...]. `Executor` declares what every executor
+does (`train`, `gradients`) and what it supports; the stage chooses one executor per stage and the round carries it
+to the cohort. The sequential reference is `engine/sequential.py`; the fast executors and their machinery live in
+`engine/accel/`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedpilot.engine.task import Task
+
+if TYPE_CHECKING:
+    from fedpilot.engine.data import AugmentParams
+
+Params = dict[str, torch.Tensor]
+Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
+
+
+def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with `params`."""
+    return functional_call(module, params, (x,))
+
+
+plain_forward.models_own = True  # type: ignore[attr-defined]
+
+
+def models_own(forward: Forward) -> bool:
+    """Whether `forward` applies the model's own forward (`plain_forward`, or `Algorithm.forward` not overridden):
+    both carry `models_own`; an override (a bound method of another function) does not."""
+    return bool(getattr(forward, "models_own", False))
+
+
+@dataclass
+class StepRule:
+    """How a gradient becomes a step: per-parameter lr, L2 pull to a reference, clipping, weight decay.
+
+    Order as in torch: the pull is part of the loss, clipping is on the whole gradient of one client,
+    weight decay is added after clipping (torch.optim.SGD's weight_decay).
+    """
+
+    lr: dict[str, float]
+    clip_norm: float | None = None
+    weight_decay: float = 0.0
+    prox: float = 0.0
+    reference: Params = field(default_factory=dict)
+
+    def apply_(self, params: Params, grads: Params, active: torch.Tensor) -> None:
+        """One SGD step in place on `params` [K, ...] (consuming `grads`) for each client whose `active` flag is set."""
+        if self.prox:
+            for n, g in grads.items():
+                g.add_(params[n] - self.reference[n], alpha=self.prox)
+        scale = None if self.clip_norm is None and bool(active.all()) else active.to(next(iter(grads.values())).dtype)
+        if self.clip_norm is not None:
+            norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+            scale = scale * (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
+        for n, p in params.items():
+            g = grads[n] if scale is None else grads[n].mul_(per_client(scale, p))
+            if self.weight_decay:
+                g.add_(p * per_client(active.to(p.dtype), p), alpha=self.weight_decay)
+            p.sub_(g, alpha=self.lr[n])
+
+    @property
+    def plain(self) -> bool:
+        """Plain SGD: no clipping, weight decay or pull to a reference."""
+        return self.clip_norm is None and not self.weight_decay and not self.prox
+
+    def stepped(self, start: Params, grads: Params, active: torch.Tensor) -> Params:
+        """One step from `start` [K, ...] (broadcast rows allowed) into new tensors, consuming `grads`: plain SGD of
+        all clients writes into the gradients' memory in one pass, anything else steps a copy of `start`."""
+        if self.plain and bool(active.all()):
+            return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g) for n, g in grads.items()}
+        params = {n: p.clone(memory_format=torch.contiguous_format) for n, p in start.items()}
+        self.apply_(params, grads, active)
+        return params
+
+    def for_client(self, k: int, params: Params) -> StepRule:
+        """This rule for client k alone (its row of a per-client reference)."""
+        reference = {n: r[k : k + 1] if r.dim() == params[n].dim() else r for n, r in self.reference.items()}
+        return StepRule(self.lr, self.clip_norm, self.weight_decay, self.prox, reference)
+
+    def renamed(self, names: dict[str, str]) -> StepRule:
+        """The same rule for the parameters in `names` (full name -> new name), under their new names."""
+        return StepRule({names[n]: v for n, v in self.lr.items() if n in names}, self.clip_norm, self.weight_decay,
+                        self.prox, {names[n]: v for n, v in self.reference.items() if n in names})
+
+
+def per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A [K] tensor shaped to broadcast over a [K, ...] parameter."""
+    return values.view(-1, *[1] * (like.dim() - 1))
+
+
+def _as_is(rows: torch.Tensor) -> torch.Tensor:
+    return rows
+
+
+@dataclass
+class Batches:
+    """Steps' inputs are `prepare(source[index[rows, s]])`, augmented by the plan's `augment` parameters; labels and
+    0/1 weights are already laid out [K, S, B]."""
+
+    source: torch.Tensor
+    index: torch.Tensor
+    labels: torch.Tensor
+    weight: torch.Tensor
+    active: torch.Tensor
+    prepare: Callable[[torch.Tensor], torch.Tensor] = _as_is
+    augment: AugmentParams | None = None
+
+    def inputs(self, rows: Any, steps: Any) -> torch.Tensor:
+        """Model inputs of the planned samples [rows, steps] (each an int or a slice)."""
+        x = self.prepare(self.source[self.index[rows, steps]])
+        return x if self.augment is None else self.augment.apply(x, rows, steps)
+
+
+@dataclass
+class TrainStats:
+    """Per-client sums over the active local steps: loss, the task's train metric on the batch, and the number of
+    steps."""
+
+    loss: torch.Tensor
+    metric: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def zeros(cls, k: int, device: torch.device) -> TrainStats:
+        return cls(*(torch.zeros(k, device=device) for _ in range(3)))
+
+    def add(self, loss: torch.Tensor, metric: torch.Tensor, active: torch.Tensor) -> None:
+        on = active.to(loss.dtype)
+        self.loss += loss.detach() * on
+        self.metric += metric.detach() * on
+        self.steps += on
+
+
+def precision_context(precision: str, device: torch.device) -> AbstractContextManager:
+    """Lightning's `bf16-mixed`: forward passes under bfloat16 autocast, parameters, gradients and updates in
+    float32; `32-true`: plain float32. Only the clients' forward passes run under it, never the aggregation."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
+class Executor(ABC):
+    """Runs the local steps of a batch plan for a chunk of clients, applying the model with `forward` and scoring
+    it with `task`. Every executor reaches the sequential reference's numbers on the same plan.
+
+    Class attributes: `name`, its `execution:` value; `uses_features`, it can run head steps on precomputed body
+    features; `batched`, its forward passes run batched over clients (evaluation then vmaps the clients).
+    """
+
+    name: ClassVar[str]
+    uses_features: ClassVar[bool] = True
+    batched: ClassVar[bool] = False
+
+    def __init__(self, forward: Forward, task: Task):
+        self.forward, self.task = forward, task
+
+    @classmethod
+    def supports(cls, module: nn.Module, device: torch.device) -> bool:
+        """Whether it can run `module` on `device` (a stage times only the executors that can)."""
+        return True
+
+    @staticmethod
+    def has_layers(module: nn.Module, kind: type[nn.Module]) -> bool:
+        """Whether `module` holds a layer of `kind` (or of a subclass): what `supports` looks for."""
+        return any(isinstance(m, kind) for m in module.modules())
+
+    def applying(self, forward: Forward) -> Executor:
+        """The same executor applying the model with `forward` (head steps on body features: the plain forward)."""
+        return type(self)(forward, self.task)
+
+    @abstractmethod
+    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+        """Each client's `trainable` parameters [K, ...] after its active steps of the plan under `rule` (`frozen`:
+        per-client [K, ...] parameters not trained, `fixed`: broadcast ones); adds the steps' loss to `stats`."""
+
+    @abstractmethod
+    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
+                  stats: TrainStats) -> Params:
+        """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""

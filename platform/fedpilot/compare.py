@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field, ValidationError, field_validator
 
-from fedpilot.cli_common import within
-from fedpilot.errors import SpecError, from_validation
+from fedpilot.errors import SpecError, from_validation, within
 from fedpilot.names import check_name
 from fedpilot.pipeline import PipelineRunner, prepare
 from fedpilot.schema import Strict

@@ -27,7 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import StoreUnavailable
 from fedpilot.settings import check_database
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
@@ -54,46 +54,46 @@ def engine_options(url: str) -> dict[str, Any]:
 
 
 def connect(url: str, key: str = "--db") -> Engine:
-    """An engine on the platform database with the `fedpilot_*` tables created; a bad URL, or a database that cannot
-    be opened, is a SpecError on `key` (the option or variable that gave the URL)."""
+    """The platform database (an SQLAlchemy Engine) with the `fedpilot_*` tables created; a bad URL is a SpecError
+    and a database that cannot be opened a StoreUnavailable, on `key` (the option or variable that gave the URL)."""
     check_database(key, url)
-    engine = create_engine(url, **engine_options(url))
+    database = create_engine(url, **engine_options(url))
     try:
-        _create_tables(engine)
+        _create_tables(database)
     except OperationalError as err:
-        shown = engine.url.render_as_string(hide_password=True)
-        raise SpecError(key, shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
-    return engine
+        shown = database.url.render_as_string(hide_password=True)
+        raise StoreUnavailable(key, shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
+    return database
 
 
-def _create_tables(engine: Engine) -> None:
+def _create_tables(database: Engine) -> None:
     """The `fedpilot_*` tables that do not exist yet (a second try if another process raced to create them), and
     the columns a newer fedpilot added to an existing table."""
     try:
-        Base.metadata.create_all(engine)
+        Base.metadata.create_all(database)
     except (IntegrityError, ProgrammingError, OperationalError):
-        Base.metadata.create_all(engine)
-    _add_missing_columns(engine)
+        Base.metadata.create_all(database)
+    _add_missing_columns(database)
 
 
-def _add_missing_columns(engine: Engine) -> None:
+def _add_missing_columns(database: Engine) -> None:
     """ALTER TABLE ... ADD COLUMN for each nullable column a table of an older database lacks."""
-    found = inspect(engine)
+    found = inspect(database)
     for table in Base.metadata.sorted_tables:
         have = {c["name"] for c in found.get_columns(table.name)}
         for column in table.columns:
             if column.name not in have and column.nullable:
-                kind = column.type.compile(engine.dialect)
+                kind = column.type.compile(database.dialect)
                 try:
-                    with engine.begin() as db:
+                    with database.begin() as db:
                         db.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
                 except (OperationalError, ProgrammingError):  # another process added it first
                     pass
 
 
-def session_factory(engine: Engine) -> sessionmaker:
+def session_factory(database: Engine) -> sessionmaker:
     """Sessions whose objects stay readable after commit."""
-    return sessionmaker(engine, expire_on_commit=False)
+    return sessionmaker(database, expire_on_commit=False)
 
 
 class UTCDateTime(TypeDecorator):

@@ -1,4 +1,5 @@
-"""Errors a user can fix: they name the bad key path, the bad value and what is allowed."""
+"""Errors a user can fix: they name the bad key path, the bad value and what is allowed. Nothing here prints or
+exits: the CLI turns each error into its one-line message and exit code."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import difflib
 import math
 from collections.abc import Iterable
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+N = TypeVar("N", int, float)
 MAX_SHOWN = 200  # characters of a bad value shown in an error (a whole 10,000-item list is no help)
 
 
@@ -28,6 +30,60 @@ class SpecError(ValueError):
             if hint:
                 message += f"; did you mean {hint!r}?"
         super().__init__(message)
+
+
+def within(key: str, value: N | None, low: N, high: N) -> N | None:
+    """`value` (None passes) when low <= value <= high, else a SpecError on `key`."""
+    if value is not None and not low <= value <= high:
+        raise SpecError(key, value, f"must be from {low:,} to {high:,}")
+    return value
+
+
+# Domain errors. Each still names the argument at fault (`key=value: problem`) and ends a command with exit code 2,
+# so each is a SpecError (as DataUnavailable below is): code that catches SpecError keeps catching them.
+class JobError(SpecError):
+    """A job or schedule a command names that cannot be found, changed or started."""
+
+
+class NoSuchJob(JobError):
+    """No job has this id."""
+
+    def __init__(self, job_id: int):
+        super().__init__("JOB_ID", job_id, "no such job")
+
+
+class JobEnded(JobError):
+    """The job ended already: there is nothing left to cancel."""
+
+    def __init__(self, job_id: int, status: str):
+        super().__init__("JOB_ID", job_id, f"the job already ended ({status})")
+
+
+class CancelFailed(JobError):
+    """The job's backend (Slurm's scancel) refused to cancel it."""
+
+
+class SubmitRefused(JobError):
+    """The job's backend cannot take the job: Slurm refused it, or its commands are not on this machine."""
+
+
+class NoSuchSchedule(JobError):
+    """No schedule has this name."""
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__("NAME", name, "no such schedule", allowed=known or None)
+
+
+class ScheduleExists(JobError):
+    """A schedule with this name exists already."""
+
+
+class NoSuchRun(SpecError):
+    """The tracking store has no such MLflow run, or not one fedpilot can resume."""
+
+
+class StoreUnavailable(SpecError):
+    """A tracking store or database that cannot be opened."""
 
 
 def check_finite(value: Any, key: str = "") -> None:

@@ -1,4 +1,4 @@
-"""`fedpilot new algorithm|model|source NAME`: a ready plugin package in a folder of its own: a pyproject with the
+"""What `fedpilot new algorithm|model|source NAME` writes: a ready plugin package in a folder of its own: a pyproject with the
 entry point, the module (a working starting point written against fedpilot.api), a pipeline that uses it, and
 tests with fedpilot.testing's helpers. The templates are fedpilot/templates/**/*.tmpl (string.Template: `${...}`)."""
 
@@ -8,11 +8,7 @@ import re
 from importlib.metadata import version
 from pathlib import Path
 from string import Template
-from typing import Annotated
 
-import typer
-
-from fedpilot.cli_common import fail
 from fedpilot.errors import SpecError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -31,12 +27,6 @@ def builtin_names(kind: str) -> list[str]:
     else:
         from fedpilot.data.config import SOURCES as registry
     return list(registry.builtins)
-
-
-new_app = typer.Typer(help="Write a ready plugin package: an algorithm, a model or a dataset source of your own.",
-                      no_args_is_help=True)
-Name = Annotated[str, typer.Argument(help="The name pipelines will use (lowercase letters, digits, _).")]
-Into = Annotated[Path, typer.Option("--into", help="Folder to create the package in.")]
 
 
 def write_plugin(kind: str, name: str, into: Path) -> Path:
@@ -60,33 +50,3 @@ def write_plugin(kind: str, name: str, into: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(Template((TEMPLATES / f"{template}.tmpl").read_text()).substitute(values))
     return root
-
-
-def _new(kind: str, name: str, into: Path) -> None:
-    try:
-        root = write_plugin(kind, name, into)
-    except SpecError as err:
-        fail(err)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        typer.echo(f"wrote {path}")
-    typer.echo(f"\nnext: cd {root} && pip install -e . && pytest tests && fedpilot run pipelines/{name}.yaml")
-
-
-@new_app.command("algorithm")
-def new_algorithm(name: Name, into: Into = Path(".")) -> None:
-    """An algorithm plugin: a FedAvg-like starting point (local SGD on every parameter; personal parts kept, shared
-    parts averaged), a pipeline and a search over its learning rate, tests."""
-    _new("algorithm", name, into)
-
-
-@new_app.command("model")
-def new_model(name: Name, into: Into = Path(".")) -> None:
-    """A model plugin: a Net(body, head) subclass with one option (its width), a pipeline, tests."""
-    _new("model", name, into)
-
-
-@new_app.command("source")
-def new_source(name: Name, into: Into = Path(".")) -> None:
-    """A dataset source plugin: Gaussian clusters over natural clients (replace `load` with reading your data), a
-    pipeline, tests."""
-    _new("source", name, into)

@@ -33,7 +33,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot import plots
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.errors import SpecError
+from fedpilot.errors import NoSuchRun, StoreUnavailable
 from fedpilot.settings import hidden, sqlite_file, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
@@ -160,7 +160,7 @@ class Tracker:
                 found = self.client.get_experiment_by_name(experiment)
             except MlflowException as err:  # the first request: a server that refuses these credentials, say
                 problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise SpecError(tracking_key(uri), hidden(uri), f"cannot open the tracking store: {problem}") from None
+                raise StoreUnavailable(tracking_key(uri), hidden(uri), f"cannot open the tracking store: {problem}") from None
             kind, value = EXPERIMENT_KIND
             if found is None:
                 self.experiment_id = self.client.create_experiment(experiment, tags={kind: value})
@@ -344,11 +344,11 @@ def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
     try:
         run = client.get_run(run_id)
     except Exception as err:  # mlflow raises MlflowException for an unknown id
-        raise SpecError("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
+        raise NoSuchRun("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
     if "fedpilot.pipeline" not in run.data.tags:
-        raise SpecError("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
+        raise NoSuchRun("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
     if run.data.tags.get(RESUMABLE_TAG) == "false":
-        raise SpecError("--resume", run_id, "this run cannot be resumed, it would fail the same way again: "
+        raise NoSuchRun("--resume", run_id, "this run cannot be resumed, it would fail the same way again: "
                         f"{run.data.tags.get(ERROR_TAG, 'see its error.txt')}")
     with tempfile.TemporaryDirectory() as tmp:
         return json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import glob
 import json
+import logging
 import os
 import signal
 import socket
@@ -34,7 +35,7 @@ from fedpilot.db import (
     session_factory,
     utcnow,
 )
-from fedpilot.errors import SpecError
+from fedpilot.errors import DataUnavailable, JobEnded, NoSuchJob, SpecError, within
 from fedpilot.jobs.result_file import read_result
 from fedpilot.registry import plugin_distributions
 from fedpilot.settings import DEFAULT_TRACKING_URI, tracking_uri
@@ -43,13 +44,15 @@ MAX_ATTEMPTS = 3
 TAIL_CHARS = 4000
 RUN_ID_POLL_SECONDS = 0.25  # until a job's MLflow run is recorded; then the heartbeat's period
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)  # the worker's log: stderr unless the process configures logging
 
 
-def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, here: bool = True) -> dict[str, Any]:
+def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, here: bool = True,
+            unreachable: Callable[[DataUnavailable], None] | None = None) -> dict[str, Any]:
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere). With
-    `here` off (a Slurm job) the devices it asks for need not exist on this machine."""
-    from fedpilot.cli_common import checked, within
+    `here` off (a Slurm job) the devices it asks for need not exist on this machine. Data this machine cannot reach
+    goes to `unreachable` (the worker or cluster may reach it), else raises."""
     from fedpilot.pipeline import prepare as check
     from fedpilot.settings import SQL_INT_MAX, check_cache
     from fedpilot.spec import load_pipeline
@@ -57,7 +60,12 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, 
     within("--trials", trials, 1, SQL_INT_MAX)
     root = check_cache()
     spec = load_pipeline(path, overrides)
-    checked(lambda: check(spec, root, here))
+    try:
+        check(spec, root, here)
+    except DataUnavailable as err:
+        if unreachable is None:
+            raise
+        unreachable(err)
     resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:
@@ -82,18 +90,18 @@ def absolute_paths(resolved: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def submit(engine: Engine, fields: dict[str, Any]) -> int:
+def submit(database: Engine, fields: dict[str, Any]) -> int:
     """Queue a job; its id."""
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         job = Job(**fields, status=QUEUED, attempts=0, created_at=utcnow())
         session.add(job)
         session.flush()
         return job.id
 
 
-def list_jobs(engine: Engine) -> list[dict[str, Any]]:
+def list_jobs(database: Engine) -> list[dict[str, Any]]:
     """Every job as a plain row, oldest first, with its MLflow link."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         jobs = session.scalars(select(Job).order_by(Job.id)).all()
     return [_row(job) for job in jobs]
 
@@ -118,12 +126,12 @@ def short_reason(error: str | None, width: int = 60) -> str | None:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def show_job(engine: Engine, job_id: int) -> dict[str, Any]:
-    """One job with its attempts (oldest first), output tails and error; a SpecError if there is no such job."""
-    with session_factory(engine)() as session:
+def show_job(database: Engine, job_id: int) -> dict[str, Any]:
+    """One job with its attempts (oldest first), output tails and error; NoSuchJob if there is none."""
+    with session_factory(database)() as session:
         job = session.get(Job, job_id)
         if job is None:
-            raise SpecError("JOB_ID", job_id, "no such job")
+            raise NoSuchJob(job_id)
         attempts = session.scalars(select(JobAttempt).where(JobAttempt.job_id == job_id)
                                    .order_by(JobAttempt.number)).all()
     row = _row(job)
@@ -152,22 +160,19 @@ def mlflow_link(uri: str | None, run_id: str | None) -> str | None:
     return f"{uri or DEFAULT_TRACKING_URI} run {run_id}"
 
 
-def cancel(engine: Engine, job_id: int) -> str:
-    """Cancel a queued job at once, or ask the worker of a running job to stop it; the resulting status. A Slurm
-    job is also cancelled in Slurm (scancel)."""
-    with session_factory(engine)() as session:
-        backend = session.scalar(select(Job.backend).where(Job.id == job_id))
-    if backend == "slurm":
-        from fedpilot.jobs.slurm import cancel as cancel_slurm
-
-        return cancel_slurm(engine, job_id)
-    return request_cancel(engine, job_id)
+def backend_name(database: Engine, job_id: int) -> str | None:
+    """The `backend` column of a job (None: this queue); NoSuchJob if there is no such job."""
+    with session_factory(database)() as session:
+        found = session.execute(select(Job.backend).where(Job.id == job_id)).first()
+    if found is None:
+        raise NoSuchJob(job_id)
+    return found[0]
 
 
-def request_cancel(engine: Engine, job_id: int) -> str:
-    """Mark a queued job cancelled, or a running one as asked to stop; the resulting status (a SpecError if the job
-    does not exist or already ended)."""
-    with session_factory(engine).begin() as session:
+def request_cancel(database: Engine, job_id: int) -> str:
+    """Mark a queued job cancelled, or a running one as asked to stop; the resulting status (NoSuchJob or JobEnded
+    if the job does not exist or already ended)."""
+    with session_factory(database).begin() as session:
         done = session.execute(update(Job).where(Job.id == job_id, Job.status == QUEUED)
                                .values(status=CANCELLED, finished_at=utcnow()))
         if done.rowcount:
@@ -178,17 +183,17 @@ def request_cancel(engine: Engine, job_id: int) -> str:
             return "cancel_requested"
         status = session.scalar(select(Job.status).where(Job.id == job_id))
     if status is None:
-        raise SpecError("JOB_ID", job_id, "no such job")
-    raise SpecError("JOB_ID", job_id, f"the job already ended ({status})")
+        raise NoSuchJob(job_id)
+    raise JobEnded(job_id, status)
 
 
-def recover(engine: Engine, grace_seconds: float) -> None:
+def recover(database: Engine, grace_seconds: float) -> None:
     """Jobs whose worker stopped heartbeating for `grace_seconds`: the attempt is lost and its MLflow runs KILLED
     (the next attempt resumes them); the job is queued again, or failed after 3 attempts."""
     stale = and_(Job.status == RUNNING, Job.backend.is_(None),
                  Job.heartbeat_at < utcnow() - timedelta(seconds=grace_seconds))
     lost = "the worker running it stopped sending heartbeats"
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         jobs = session.scalars(select(Job).where(stale).with_for_update()).all()
         orphans = [(job.tracking_uri, job.run_id) for job in jobs if job.run_id]
         for job in jobs:
@@ -211,13 +216,13 @@ def close_runs(uri: str | None, run_id: str, reason: str) -> None:
     try:
         close_orphans(uri or DEFAULT_TRACKING_URI, run_id, reason)
     except Exception as err:  # the tracking server may be down: the next attempt resumes the runs anyway
-        print(f"could not mark the runs of {run_id} KILLED: {type(err).__name__}: {err}", file=sys.stderr)
+        log.warning(f"could not mark the runs of {run_id} KILLED: {type(err).__name__}: {err}")
 
 
-def claim(engine: Engine, worker: str) -> Job | None:
+def claim(database: Engine, worker: str) -> Job | None:
     """Atomically take the oldest queued job for `worker` (never the same job twice); None if none is queued."""
-    lock = engine.dialect.name == "postgresql"
-    with session_factory(engine)() as session:
+    lock = database.dialect.name == "postgresql"
+    with session_factory(database)() as session:
         while True:
             query = (select(Job.id).where(Job.status == QUEUED, Job.backend.is_(None))
                      .order_by(Job.created_at, Job.id).limit(1))
@@ -239,25 +244,27 @@ def claim(engine: Engine, worker: str) -> Job | None:
             return job
 
 
-def idle(engine: Engine, grace_seconds: float) -> bool:
+def idle(database: Engine, grace_seconds: float) -> bool:
     """No job is queued and none is running on a worker that stopped heartbeating."""
     cutoff = utcnow() - timedelta(seconds=grace_seconds)
     waiting = and_(Job.backend.is_(None),
                    or_(Job.status == QUEUED, and_(Job.status == RUNNING, Job.heartbeat_at < cutoff)))
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         return session.scalar(select(Job.id).where(waiting).limit(1)) is None
 
 
-def child_command(job: Job, spec_file: Path, result_file: Path, db_url: str, heartbeat_seconds: float) -> list[str]:
+def child_command(job: Job, spec_file: Path, result_file: Path | None = None, db_url: str = "",
+                  heartbeat_seconds: float = 10.0) -> list[str]:
     """The `fedpilot run` or `fedpilot search` command line that executes a job (trials beat like the worker). A run
-    an earlier attempt started is resumed in its own MLflow runs, from its last checkpoint."""
+    an earlier attempt started is resumed in its own MLflow runs, from its last checkpoint. Without `result_file`
+    (a follower rank of a multi-node Slurm job) the child leaves no result file."""
     base = [sys.executable, "-m", "fedpilot.cli"]
+    report = ["--result-file", str(result_file)] if result_file is not None else []
     if job.kind == "search":
         return [*base, "search", str(spec_file), "--trials", str(job.trials), "--storage", db_url,
-                "--study", str(job.study), "--heartbeat-seconds", str(max(1, round(heartbeat_seconds))),
-                "--result-file", str(result_file)]
+                "--study", str(job.study), "--heartbeat-seconds", str(max(1, round(heartbeat_seconds))), *report]
     target = ["--resume", job.run_id] if job.run_id else [str(spec_file)]
-    return [*base, "run", *target, "--no-progress", "--result-file", str(result_file)]
+    return [*base, "run", *target, "--no-progress", *report]
 
 
 def _die_with_parent(parent: int) -> None:
@@ -268,7 +275,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_seconds: float, *,
+def execute(database: Engine, job: Job, worker: str, db_url: str, heartbeat_seconds: float, *,
             streams: tuple[Path, Path] | None = None, kill_on_cancel: bool = True,
             started: Callable[[subprocess.Popen], None] = lambda proc: None,
             ended: Callable[[int], tuple[str, str] | None] = lambda code: None) -> str:
@@ -280,7 +287,7 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
     (a Slurm job stopped for a requeue is queued again, not failed)."""
     spec = json.loads(job.spec)
     uri = tracking_uri((spec.get("tracking") or {}).get("uri"))
-    _record_plugins(engine, job, worker, spec)
+    _record_plugins(database, job, worker, spec)
     with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
         spec_file, result_file = Path(tmp) / f"job-{job.id}.yaml", Path(tmp) / "result.json"
         spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -292,7 +299,7 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
             proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=lambda: _die_with_parent(parent))
             started(proc)
-            stopped = _watch(engine, job, worker, proc, heartbeat_seconds, result_file, uri, kill_on_cancel)
+            stopped = _watch(database, job, worker, proc, heartbeat_seconds, result_file, uri, kill_on_cancel)
         stdout, stderr = (_read_from(path, offset) for path, offset in zip((out_path, err_path), offsets, strict=True))
         result = read_result(result_file)
     status = stopped or (SUCCEEDED if proc.returncode == 0 else FAILED)
@@ -301,7 +308,7 @@ def execute(engine: Engine, job: Job, worker: str, db_url: str, heartbeat_second
     if stopped is None and proc.returncode != 0 and (special := ended(proc.returncode)) is not None:
         status, error = special
     mine = and_(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         session.execute(update(Job).where(mine).values(
             status=status, finished_at=utcnow(), exit_code=proc.returncode, run_id=result.get("run_id") or job.run_id,
             tracking_uri=uri, stdout_tail=stdout[-TAIL_CHARS:], stderr_tail=stderr[-TAIL_CHARS:], error=error))
@@ -328,7 +335,7 @@ def _last_line(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartbeat_seconds: float,
+def _watch(database: Engine, job: Job, worker: str, proc: subprocess.Popen, heartbeat_seconds: float,
            result_file: Path, uri: str, kill_on_cancel: bool = True) -> str | None:
     """Heartbeat until the child exits, recording its MLflow run as soon as it exists (looked for every
     `RUN_ID_POLL_SECONDS` until then: a retry resumes it, `fedpilot jobs` links it); kill it on a cancel request
@@ -347,7 +354,7 @@ def _watch(engine: Engine, job: Job, worker: str, proc: subprocess.Popen, heartb
         if not news and time.monotonic() < next_beat:
             continue
         next_beat = time.monotonic() + heartbeat_seconds
-        with session_factory(engine).begin() as session:
+        with session_factory(database).begin() as session:
             beat = session.execute(update(Job).where(Job.id == job.id, Job.worker == worker, Job.status == RUNNING)
                                    .values(heartbeat_at=utcnow(), **news))
             if news and beat.rowcount:
@@ -383,10 +390,10 @@ def _at(value: Any, *keys: str) -> Any:
     return value
 
 
-def _record_plugins(engine: Engine, job: Job, worker: str, spec: dict[str, Any]) -> None:
+def _record_plugins(database: Engine, job: Job, worker: str, spec: dict[str, Any]) -> None:
     """The plugin distributions and versions this attempt runs with (its child runs in this environment)."""
     plugins = json.dumps(plugin_versions(spec), sort_keys=True)
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         session.execute(update(Job).where(Job.id == job.id, Job.worker == worker).values(plugins=plugins))
         session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts)
                         .values(plugins=plugins))
@@ -397,17 +404,17 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def work(engine: Engine, db_url: str, *, name: str, poll_seconds: float = 5.0, heartbeat_seconds: float = 10.0,
+def work(database: Engine, db_url: str, *, name: str, poll_seconds: float = 5.0, heartbeat_seconds: float = 10.0,
          grace_seconds: float = 60.0, exit_when_idle: bool = False) -> int:
     """The worker loop: recover dead workers' jobs, claim, execute; the number of jobs this worker ran."""
     ran = 0
     while True:
-        recover(engine, grace_seconds)
-        job = claim(engine, name)
+        recover(database, grace_seconds)
+        job = claim(database, name)
         if job is not None:
-            execute(engine, job, name, db_url, heartbeat_seconds)
+            execute(database, job, name, db_url, heartbeat_seconds)
             ran += 1
-        elif exit_when_idle and idle(engine, grace_seconds):
+        elif exit_when_idle and idle(database, grace_seconds):
             return ran
         else:
             time.sleep(poll_seconds)

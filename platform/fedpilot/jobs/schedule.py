@@ -19,7 +19,8 @@ from sqlalchemy import Engine, delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import QUEUED, Firing, Job, Schedule, engine_options, session_factory, utcnow
-from fedpilot.errors import SpecError
+from fedpilot.errors import NoSuchSchedule, ScheduleExists, SpecError, within
+from fedpilot.jobs.backend import backend
 from fedpilot.names import check_name
 from fedpilot.settings import SQL_INT_MAX
 
@@ -46,7 +47,6 @@ def check_cron(cron: str, now: datetime | None = None) -> CronTrigger:
 def plan(path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
          now: datetime | None = None) -> tuple[Schedule, PipelineSpec]:
     """A schedule checked but not stored (study = its name, default the search block's study), and its pipeline."""
-    from fedpilot.cli_common import within
     from fedpilot.spec import load_pipeline
 
     check_cron(cron, now)
@@ -66,26 +66,26 @@ def plan(path: Path, overrides: list[str], cron: str, trials: int, name: str | N
     return schedule, spec
 
 
-def store(engine: Engine, schedule: Schedule) -> Schedule:
+def store(database: Engine, schedule: Schedule) -> Schedule:
     """Save a planned schedule; its name must be new."""
     try:
-        with session_factory(engine).begin() as session:
+        with session_factory(database).begin() as session:
             session.add(schedule)
     except IntegrityError:
-        raise SpecError("--name", schedule.name, "a schedule with this name exists (remove it or pick another "
+        raise ScheduleExists("--name", schedule.name, "a schedule with this name exists (remove it or pick another "
                         "--name)") from None
     return schedule
 
 
-def add(engine: Engine, path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
+def add(database: Engine, path: Path, overrides: list[str], cron: str, trials: int, name: str | None = None,
         now: datetime | None = None) -> Schedule:
     """Validate a pipeline with a search block and store a schedule (study = its name, default the study)."""
-    return store(engine, plan(path, overrides, cron, trials, name, now)[0])
+    return store(database, plan(path, overrides, cron, trials, name, now)[0])
 
 
-def list_schedules(engine: Engine, now: datetime | None = None) -> list[dict[str, Any]]:
+def list_schedules(database: Engine, now: datetime | None = None) -> list[dict[str, Any]]:
     """Every schedule as a plain row with its firing count and next fire time."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         schedules = session.scalars(select(Schedule).order_by(Schedule.name)).all()
         counts = dict(session.execute(select(Firing.schedule_id, func.count()).group_by(Firing.schedule_id)).all())
     moment = now or utcnow()
@@ -100,18 +100,18 @@ def list_schedules(engine: Engine, now: datetime | None = None) -> list[dict[str
     return rows
 
 
-def set_paused(engine: Engine, name: str, paused: bool, now: datetime | None = None) -> None:
+def set_paused(database: Engine, name: str, paused: bool, now: datetime | None = None) -> None:
     """Pause or resume a schedule; a resumed schedule does not fire for the time it was paused."""
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         schedule = _named(session, name)
         if schedule.paused and not paused:
             schedule.active_since = now or utcnow()
         schedule.paused = paused
 
 
-def remove(engine: Engine, name: str) -> None:
+def remove(database: Engine, name: str) -> None:
     """Delete a schedule and its firing records (its jobs and study stay)."""
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         schedule = _named(session, name)
         session.execute(delete(Firing).where(Firing.schedule_id == schedule.id))
         session.delete(schedule)
@@ -120,8 +120,7 @@ def remove(engine: Engine, name: str) -> None:
 def _named(session: Any, name: str) -> Schedule:
     schedule = session.scalar(select(Schedule).where(Schedule.name == name))
     if schedule is None:
-        known = session.scalars(select(Schedule.name)).all()
-        raise SpecError("NAME", name, "no such schedule", allowed=known or None)
+        raise NoSuchSchedule(name, list(session.scalars(select(Schedule.name)).all()))
     return schedule
 
 
@@ -141,26 +140,24 @@ def latest_due(cron: CronTrigger, after: datetime, now: datetime) -> datetime | 
     return cron.get_next_fire_time(None, lo)
 
 
-def tick(engine: Engine, now: datetime) -> list[int]:
+def tick(database: Engine, now: datetime) -> list[int]:
     """Fire every active schedule that is due at `now` (once, coalescing missed firings); the queued job ids. The
     jobs of a schedule `--to slurm` are submitted to Slurm at once (a refusal fails them with the reason)."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         schedules = session.scalars(select(Schedule).where(Schedule.paused.is_(False))).all()
     queued = []
     for s in schedules:
-        ids = fire(engine, s, now) or []
-        if ids and s.backend == "slurm":
-            from fedpilot.jobs.slurm import dispatch_queued
-
-            dispatch_queued(engine, engine.url.render_as_string(hide_password=False), ids)
+        ids = fire(database, s, now) or []
+        if ids:
+            backend(s.backend).start(database, database.url.render_as_string(hide_password=False), ids)
         queued += ids
     return queued
 
 
-def fire(engine: Engine, schedule: Schedule, now: datetime) -> list[int] | None:
+def fire(database: Engine, schedule: Schedule, now: datetime) -> list[int] | None:
     """Record the schedule's latest due firing and queue its search job (`parallel` of them for a Slurm schedule)
     in one transaction; the job ids, or None when nothing is due or another scheduler recorded this firing first."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         last, count = session.execute(select(func.max(Firing.fire_time), func.count())
                                       .where(Firing.schedule_id == schedule.id)).one()
         after = max(schedule.active_since, last) if last is not None else schedule.active_since
@@ -182,47 +179,47 @@ def fire(engine: Engine, schedule: Schedule, now: datetime) -> list[int] | None:
         return [job.id for job in jobs]
 
 
-def serve(engine: Engine, *, now: Callable[[], datetime] = utcnow, once: bool = False,
+def serve(database: Engine, *, now: Callable[[], datetime] = utcnow, once: bool = False,
           poll_seconds: float = 30.0, log: Callable[[str], None] = lambda line: None) -> list[int]:
     """The scheduler loop: tick every `poll_seconds` (one tick with `once`), `log` each firing; the job ids queued."""
     queued: list[int] = []
     while True:
-        fired = tick(engine, now())
+        fired = tick(database, now())
         for job_id in fired:
-            log(firing(engine, job_id))
+            log(firing(database, job_id))
         queued += fired
         if once:
             return queued
         time.sleep(poll_seconds)
 
 
-def firing(engine: Engine, job_id: int) -> str:
+def firing(database: Engine, job_id: int) -> str:
     """What a firing queued, in a line."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         job = session.get(Job, job_id)
         schedule = session.get(Schedule, job.schedule_id)
     return (f"schedule {schedule.name if schedule else job.schedule_id} fired: job {job.id}, a search bringing study "
             f"{job.study} to {job.trials} trials")
 
 
-def watching(engine: Engine, now: datetime | None = None) -> str:
+def watching(database: Engine, now: datetime | None = None) -> str:
     """The schedules a scheduler watches and the next firing, in a line."""
-    rows = list_schedules(engine, now)
+    rows = list_schedules(database, now)
     paused = sum(r["paused"] for r in rows)
     upcoming = min((r for r in rows if r["next_fire_time"]), key=lambda r: r["next_fire_time"], default=None)
     return (f"{len(rows)} schedule{'s' if len(rows) != 1 else ''} ({paused} paused)"
             + (f", next firing: {upcoming['name']} at {upcoming['next_fire_time']}" if upcoming else ""))
 
 
-def study_trials(engine: Engine, study: str) -> int:
+def study_trials(database: Engine, study: str) -> int:
     """The trials of an Optuna study in the platform database that count towards a firing's total (finished,
     running or waiting); 0 for a study that does not exist yet."""
     from optuna.storages import RDBStorage
     from optuna.trial import TrialState  # not fedpilot.tuning's STARTED: importing tuning imports torch
 
-    if not inspect(engine).has_table("studies"):
+    if not inspect(database).has_table("studies"):
         return 0
-    url = engine.url.render_as_string(hide_password=False)
+    url = database.url.render_as_string(hide_password=False)
     storage = RDBStorage(url, engine_kwargs=engine_options(url), skip_table_creation=True)
     try:
         study_id = storage.get_study_id_from_name(study)
@@ -231,10 +228,10 @@ def study_trials(engine: Engine, study: str) -> int:
     return sum(trial.state != TrialState.FAIL for trial in storage.get_all_trials(study_id, deepcopy=False))
 
 
-def first_firings(engine: Engine, schedule: Schedule, now: datetime | None = None) -> str:
+def first_firings(database: Engine, schedule: Schedule, now: datetime | None = None) -> str:
     """What a new schedule's firings add, given the trials its study has: firing k brings it to k x trials in all,
     so a study that has them already gains nothing at its first firings."""
-    have, per = study_trials(engine, schedule.study), schedule.trials
+    have, per = study_trials(database, schedule.study), schedule.trials
     adding = have // per + 1  # the first firing that adds trials
     upcoming = trigger(schedule.cron).get_next_fire_time(None, now or utcnow())
     first = f"first firing {upcoming:%Y-%m-%d %H:%M} UTC"

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,8 @@ from fedpilot.db import (
     session_factory,
     utcnow,
 )
-from fedpilot.errors import SpecError
-from fedpilot.jobs.queue import TAIL_CHARS, close_runs, execute, request_cancel, submit
+from fedpilot.errors import CancelFailed, SpecError, SubmitRefused
+from fedpilot.jobs.queue import TAIL_CHARS, child_command, close_runs, execute, request_cancel, submit
 from fedpilot.jobs.slurm_options import SlurmSpec, slurm_minutes
 from fedpilot.settings import cache_root, sqlite_file
 
@@ -60,6 +60,7 @@ FORWARDED = (signal.SIGTERM, *TIME_LIMIT_SIGNALS)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
 HEARTBEAT_SECONDS = 10.0
+log = logging.getLogger(__name__)  # the Slurm job's log (its stderr file) unless logging is configured
 
 
 # ---- options ---------------------------------------------------------------------------------------------------
@@ -121,11 +122,11 @@ def absolute_db(url: str) -> str:
 
 
 # ---- submitting ------------------------------------------------------------------------------------------------
-def enqueue(engine: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmSpec,
+def enqueue(database: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmSpec,
             parallel: int = 1) -> list[tuple[int, str]]:
     """Store `parallel` rows of a job (validated fields, see jobs.queue.prepare) and submit them to Slurm, as one
     job array when more than one; (row id, Slurm job id) of each. Nothing stays queued when sbatch refuses (a
-    SpecError says why)."""
+    SubmitRefused says why)."""
     if parallel < 1:
         raise SpecError("--parallel", parallel, "must be at least 1")
     if parallel > 1 and fields["kind"] != "search":
@@ -133,18 +134,22 @@ def enqueue(engine: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmSpe
     spec = json.loads(fields["spec"])
     params = parameters(spec, slurm, f"fedpilot-{fields['pipeline']}")
     _need_slurm()
-    record = json.dumps({**slurm.model_dump(exclude_defaults=True), "parallel": parallel})
-    ids = [submit(engine, {**fields, "backend": SLURM, "slurm": record}) for _ in range(parallel)]
+    ids = [submit(database, {**fields, "backend": SLURM, "slurm": record(slurm, parallel)}) for _ in range(parallel)]
     try:
-        slurm_ids = dispatch(engine, db_url, ids, params)
-    except SpecError:
-        with session_factory(engine).begin() as session:
+        slurm_ids = dispatch(database, db_url, ids, params)
+    except SubmitRefused:
+        with session_factory(database).begin() as session:
             session.execute(delete(Job).where(Job.id.in_(ids)))
         raise
     return list(zip(ids, slurm_ids, strict=True))
 
 
-def dispatch(engine: Engine, db_url: str, ids: list[int], params: dict[str, Any]) -> list[str]:
+def record(slurm: SlurmSpec, parallel: int) -> str:
+    """What a row (or a schedule) keeps of its Slurm options and `parallel`: JSON, the options' defaults left out."""
+    return json.dumps({**slurm.model_dump(exclude_defaults=True), "parallel": parallel})
+
+
+def dispatch(database: Engine, db_url: str, ids: list[int], params: dict[str, Any]) -> list[str]:
     """sbatch the stored rows `ids` (an array when several) with submitit; record their Slurm ids and logs."""
     import submitit
     from submitit.core.utils import FailedJobError
@@ -157,17 +162,17 @@ def dispatch(engine: Engine, db_url: str, ids: list[int], params: dict[str, Any]
         jobs = [executor.submit(tasks[0])] if len(tasks) == 1 else executor.submit_array(tasks)
     except (FailedJobError, subprocess.SubprocessError, OSError, ValueError, RuntimeError) as err:
         problem = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip()) or repr(err)
-        raise SpecError("--to", SLURM, f"Slurm refused the job: {problem}") from None
-    with session_factory(engine).begin() as session:
+        raise SubmitRefused("--to", SLURM, f"Slurm refused the job: {problem}") from None
+    with session_factory(database).begin() as session:
         for job_id, job in zip(ids, jobs, strict=True):
             session.execute(update(Job).where(Job.id == job_id).values(
                 slurm_job_id=job.job_id, slurm_log=str(job.paths.stdout)))
     return [job.job_id for job in jobs]
 
 
-def dispatch_queued(engine: Engine, db_url: str, ids: list[int]) -> None:
+def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
     """Submit rows a schedule fired (options from the row); a refusal fails them with the reason."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         rows = session.scalars(select(Job).where(Job.id.in_(ids)).order_by(Job.id)).all()
     if not rows:
         return
@@ -176,9 +181,9 @@ def dispatch_queued(engine: Engine, db_url: str, ids: list[int]) -> None:
     try:
         _need_slurm()
         params = parameters(json.loads(rows[0].spec), SlurmSpec.model_validate(stored), f"fedpilot-{rows[0].pipeline}")
-        dispatch(engine, db_url, ids, params)
+        dispatch(database, db_url, ids, params)
     except SpecError as err:
-        with session_factory(engine).begin() as session:
+        with session_factory(database).begin() as session:
             session.execute(update(Job).where(Job.id.in_(ids), Job.status == QUEUED).values(
                 status=FAILED, finished_at=utcnow(), error=str(err)))
 
@@ -186,7 +191,7 @@ def dispatch_queued(engine: Engine, db_url: str, ids: list[int]) -> None:
 def _need_slurm() -> None:
     for command in ("sbatch", "squeue", "scancel"):
         if shutil.which(command) is None:
-            raise SpecError("--to", SLURM, f"Slurm's `{command}` is not on PATH: submit from a machine of the "
+            raise SubmitRefused("--to", SLURM, f"Slurm's `{command}` is not on PATH: submit from a machine of the "
                             "cluster (a login node)")
 
 
@@ -202,34 +207,32 @@ class SlurmTask:
         import submitit
 
         env = submitit.JobEnvironment()
-        engine = connect(self.db_url)
+        database = connect(self.db_url)
         relay = _Relay()
         with relay:
             if env.global_rank != 0:
-                return self._follow(engine, env, relay)
+                return self._follow(database, env, relay)
             worker = f"{socket.gethostname()} (slurm {env.job_id})"
-            job = start(engine, self.job_id, worker, env.job_id)
+            job = start(database, self.job_id, worker, env.job_id)
             if job is None:
                 return "not run: the job was cancelled or had ended"
-            status = execute(engine, job, worker, self.db_url, HEARTBEAT_SECONDS,
+            status = execute(database, job, worker, self.db_url, HEARTBEAT_SECONDS,
                              streams=(env.paths.stdout, env.paths.stderr), kill_on_cancel=False,
-                             started=relay.attach, ended=lambda code: _stopped(engine, self.job_id, code, relay))
+                             started=relay.attach, ended=lambda code: _stopped(database, self.job_id, code, relay))
         if status == QUEUED and relay.received & set(TIME_LIMIT_SIGNALS):
-            print(f"fedpilot: requeueing Slurm job {env.job_id} before its time limit", file=sys.stderr, flush=True)
+            log.warning(f"fedpilot: requeueing Slurm job {env.job_id} before its time limit")
             subprocess.run(["scontrol", "requeue", env.job_id], check=False, timeout=60)
         return status
 
-    def _follow(self, engine: Engine, env: Any, relay: _Relay) -> str:
+    def _follow(self, database: Engine, env: Any, relay: _Relay) -> str:
         """A rank > 0: the same `fedpilot run` (resuming what rank 0 resumes); it trains its slice, records nothing."""
-        with session_factory(engine)() as session:
+        with session_factory(database)() as session:
             job = session.get(Job, self.job_id)
         with tempfile.TemporaryDirectory(prefix="fedpilot-job-") as tmp:
             spec_file = Path(tmp) / f"job-{job.id}.yaml"
             spec_file.write_text(yaml.safe_dump(json.loads(job.spec), sort_keys=False))
-            target = ["--resume", job.run_id] if job.run_id else [str(spec_file)]
             with open(env.paths.stdout, "a") as out, open(env.paths.stderr, "a") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "fedpilot.cli", "run", *target, "--no-progress"],
-                                        stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(child_command(job, spec_file), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
                 relay.attach(proc)
                 proc.wait()
         return f"rank {env.global_rank}: exit {proc.returncode}"
@@ -254,7 +257,7 @@ class _Relay:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received.add(signum)
-        print(f"fedpilot: {signal.Signals(signum).name} received, passed on to the run", file=sys.stderr, flush=True)
+        log.warning(f"fedpilot: {signal.Signals(signum).name} received, passed on to the run")
         self._forward(signum)
 
     def attach(self, proc: subprocess.Popen) -> None:
@@ -268,10 +271,10 @@ class _Relay:
                 self.proc.send_signal(signum)
 
 
-def start(engine: Engine, job_id: int, worker: str, slurm_id: str) -> Job | None:
+def start(database: Engine, job_id: int, worker: str, slurm_id: str) -> Job | None:
     """Mark the row running for a new attempt by this Slurm task (a previous attempt still marked running died with
     its node or was killed: lost); None when the row was cancelled or has ended."""
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         job = session.get(Job, job_id, with_for_update=True)
         if job is None or job.status in (SUCCEEDED, FAILED, CANCELLED):
             return None
@@ -290,10 +293,10 @@ def start(engine: Engine, job_id: int, worker: str, slurm_id: str) -> Job | None
         return job
 
 
-def _stopped(engine: Engine, job_id: int, code: int, relay: _Relay) -> tuple[str, str] | None:
+def _stopped(database: Engine, job_id: int, code: int, relay: _Relay) -> tuple[str, str] | None:
     """The status of a child that exited non-zero: cancelled on request; queued again when a signal stopped it
     (Slurm runs it again: preemption, requeue, time limit); else None (failed)."""
-    with session_factory(engine)() as session:
+    with session_factory(database)() as session:
         cancelled = session.scalar(select(Job.cancel_requested).where(Job.id == job_id))
     if cancelled:
         return CANCELLED, "cancelled (fedpilot cancel)"
@@ -304,16 +307,16 @@ def _stopped(engine: Engine, job_id: int, code: int, relay: _Relay) -> tuple[str
     return None
 
 
-def cancel(engine: Engine, job_id: int) -> str:
+def cancel(database: Engine, job_id: int) -> str:
     """Cancel a Slurm job: its row (cancelled if it waits, asked to stop if it runs) and the Slurm job (scancel:
     a running one stops after its round with a checkpoint, its runs KILLED)."""
-    status = request_cancel(engine, job_id)
-    with session_factory(engine)() as session:
+    status = request_cancel(database, job_id)
+    with session_factory(database)() as session:
         slurm_id = session.scalar(select(Job.slurm_job_id).where(Job.id == job_id))
     if slurm_id:
         done = subprocess.run(["scancel", slurm_id], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
-            raise SpecError("JOB_ID", job_id, f"scancel {slurm_id} failed: {(done.stderr or done.stdout).strip()}")
+            raise CancelFailed("JOB_ID", job_id, f"scancel {slurm_id} failed: {(done.stderr or done.stdout).strip()}")
     return f"{status} (scancel {slurm_id})" if slurm_id else status
 
 
@@ -341,7 +344,7 @@ def states(slurm_ids: list[str]) -> dict[str, tuple[str, str]]:
     return found
 
 
-def refresh(engine: Engine, rows: list[dict[str, Any]]) -> None:
+def refresh(database: Engine, rows: list[dict[str, Any]]) -> None:
     """Add Slurm's state and node to the rows of Slurm jobs that have not ended, and end the rows of jobs Slurm says
     ended without their task recording it (killed, out of memory, cancelled outside fedpilot): their attempt is
     lost and their MLflow runs KILLED."""
@@ -356,7 +359,7 @@ def refresh(engine: Engine, rows: list[dict[str, Any]]) -> None:
         row["slurm_state"] = state
         row["node"] = node or row["node"]
         if state in ENDED:
-            ended = _end(engine, row["id"], state)
+            ended = _end(database, row["id"], state)
             if ended is not None:
                 row.update(status=ended, reason=f"Slurm: {state}" if ended == FAILED else None)
 
@@ -365,11 +368,11 @@ def _node_of(worker: str | None) -> str | None:
     return worker.split(" (slurm", 1)[0] if worker else None
 
 
-def _end(engine: Engine, job_id: int, state: str) -> str | None:
+def _end(database: Engine, job_id: int, state: str) -> str | None:
     """Mark a row whose Slurm job ended in `state` (cancelled, or failed); None if its task had recorded it."""
     status = CANCELLED if state == "CANCELLED" else FAILED
     error = f"the Slurm job ended ({state}) before fedpilot recorded an outcome"
-    with session_factory(engine).begin() as session:
+    with session_factory(database).begin() as session:
         job = session.get(Job, job_id, with_for_update=True)
         if job is None or job.status not in (QUEUED, RUNNING):
             return None

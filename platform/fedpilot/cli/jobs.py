@@ -1,13 +1,13 @@
-"""The job-queue commands: submit, jobs, cancel, worker, scheduler, and the `schedule` group."""
+"""The job commands: submit, jobs, cancel, worker, scheduler, and the `schedule` group."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fedpilot.cli_common import (
+from fedpilot.cli.common import (
     PARALLEL_MAX,
     PERIOD_MAX_S,
     Account,
@@ -26,18 +26,23 @@ from fedpilot.cli_common import (
     fail,
     print_json,
     program,
-    where,
-    within,
+    slurm_flags,
+    unreachable,
 )
-from fedpilot.errors import SpecError
+from fedpilot.errors import SpecError, within
 from fedpilot.settings import SQL_INT_MAX
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from fedpilot.jobs.backend import Backend
 
 schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
                            no_args_is_help=True)
 
 
-def _engine(db: str | None, option: str = "--db"):
-    """The platform database engine (tables created) for `option`'s value, else $FEDPILOT_DB."""
+def _database(db: str | None, option: str = "--db") -> Engine:
+    """The platform database (tables created) for `option`'s value, else $FEDPILOT_DB."""
     from fedpilot.db import connect
     from fedpilot.settings import platform_db
 
@@ -58,29 +63,22 @@ def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
         typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
 
-def send(fields: dict, to: str, flags: dict, parallel: int, db: str | None, option: str = "--db") -> list[int]:
-    """Queue a validated job (jobs.queue.prepare) `parallel` times, on this queue or as a Slurm job (an array when
-    `parallel` > 1) with the Slurm options `flags`, in the platform database `option` (its value `db`) names; the job
-    ids (Slurm's ids are told on stderr)."""
-    from fedpilot.jobs.queue import submit as queue
+def send(fields: dict, to: Backend, flags: dict, parallel: int, db: str | None, option: str = "--db") -> list[int]:
+    """Submit a validated job (jobs.queue.prepare) `parallel` times to the backend `to` (on Slurm an array when
+    `parallel` > 1, with the Slurm options `flags`), in the platform database `option` (its value `db`) names; the
+    job ids (Slurm's ids are told on stderr)."""
+    from fedpilot.jobs.backend import configured
     from fedpilot.settings import platform_db
 
     url, _ = platform_db(db, option)
     if parallel > 1 and fields["kind"] != "search":
         raise SpecError("--parallel", parallel, "only a search runs in parallel (trial workers of one study)")
-    if to == "slurm":
-        from fedpilot.jobs.slurm import absolute_db, enqueue, options
-
-        slurm = options(json.loads(fields["spec"]).get("slurm"), flags)
-        sent = enqueue(_engine(db, option), absolute_db(url), fields, slurm, parallel)
-        for job_id, slurm_id in sent:
-            typer.echo(f"job {job_id}: Slurm job {slurm_id}", err=True)
-        return [job_id for job_id, _ in sent]
-    given = [f"--{k}" for k, v in flags.items() if v is not None]
-    if given:
-        raise SpecError(given[0], flags[given[0][2:]], "a Slurm option: add --to slurm")
-    engine = _engine(db, option)
-    return [queue(engine, fields) for _ in range(parallel)]
+    target = configured(to, json.loads(fields["spec"]), flags)
+    sent = target.submit(_database(db, option), url, fields, parallel)
+    for job_id, own_id in sent:
+        if own_id is not None:
+            typer.echo(f"job {job_id}: Slurm job {own_id}", err=True)
+    return [job_id for job_id, _ in sent]
 
 
 def submit(
@@ -99,22 +97,21 @@ def submit(
     """Validate a pipeline and queue it as a job (its resolved spec is frozen now), or with `--to slurm` submit it
     to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
     print the job ids (alone on stdout, for scripts)."""
+    from fedpilot.jobs.backend import QUEUE, backend
     from fedpilot.jobs.queue import prepare
     from fedpilot.settings import platform_db
 
-    flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
-             "qos": qos}
     try:
-        target = where(to, "queue")
+        target = backend(to)
         within("--parallel", parallel, 1, PARALLEL_MAX)
         platform_db(db)  # checked before the pipeline's data is built; the job is stored once the pipeline passed
-        fields = prepare(pipeline, overrides or [], search, trials, here=target != "slurm")
-        ids = send(fields, target, flags, parallel, db)
+        fields = prepare(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
+        ids = send(fields, target, slurm_flags(partition, gpus, cpus, mem, time, account, qos), parallel, db)
     except SpecError as err:
         fail(err)
     what = (f"a search bringing study {fields['study']} to {fields['trials']} trials" if search else "a run") + \
-        f" of pipeline {fields['pipeline']}" + (" on Slurm" if target == "slurm" else "")
-    worker = "" if target == "slurm" else f"; a worker runs it: {program()} worker"
+        f" of pipeline {fields['pipeline']}" + ("" if target.name == QUEUE else " on Slurm")
+    worker = f"; a worker runs it: {program()} worker" if target.name == QUEUE else ""
     for job_id in ids:
         typer.echo(f"queued job {job_id}: {what}\nfollow it: {program()} jobs show {job_id}  (status, attempts, "
                    f"MLflow run{worker})", err=True)
@@ -131,19 +128,20 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
     a short reason for failed ones."""
     if ctx.invoked_subcommand is not None:
         return
+    from fedpilot.jobs.backend import backend
     from fedpilot.jobs.queue import list_jobs
 
     try:
-        engine = _engine(db)
-        rows = list_jobs(engine)
+        database = _database(db)
+        rows = list_jobs(database)
     except SpecError as err:
         fail(err)
-    slurm = [c for c in ("slurm_job_id", "slurm_state", "node") if any(r["backend"] == "slurm" for r in rows)]
-    if slurm:
-        from fedpilot.jobs.slurm import refresh
-
-        refresh(engine, rows)
-    _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", *slurm, "created_at",
+    extra: list[str] = []
+    for name in sorted({r["backend"] for r in rows}):
+        place = backend(name)
+        place.refresh(database, rows)
+        extra += [c for c in place.columns if c not in extra]
+    _print_rows(rows, as_json, ["id", "kind", "pipeline", "status", "attempts", "worker", *extra, "created_at",
                                 "started_at", "finished_at", "mlflow", "reason"])
 
 
@@ -151,19 +149,18 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
 def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None,
               as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False) -> None:
     """One job: its fields, every attempt (worker, times, status, exit code, MLflow run, error) and its output."""
+    from fedpilot.jobs.backend import backend
     from fedpilot.jobs.queue import show_job
 
     try:
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
-        engine = _engine(db)
-        row = show_job(engine, job_id)
+        database = _database(db)
+        row = show_job(database, job_id)
     except SpecError as err:
         fail(err)
-    if row["backend"] == "slurm":
-        from fedpilot.jobs.slurm import log_tails, refresh
-
-        refresh(engine, [row])
-        row.update(log_tails(row["slurm_log"]))
+    place = backend(row["backend"])
+    place.refresh(database, [row])
+    row.update(place.logs(row))
     if as_json:
         print_json(row)
         return
@@ -184,11 +181,13 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
 
 def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None) -> None:
     """Cancel a job: a queued one at once; a running one is killed by its worker and marked cancelled."""
-    from fedpilot.jobs.queue import cancel as cancel_job
+    from fedpilot.jobs.backend import backend
+    from fedpilot.jobs.queue import backend_name
 
     try:
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
-        status = cancel_job(_engine(db), job_id)
+        database = _database(db)
+        status = backend(backend_name(database, job_id)).cancel(database, job_id)
     except SpecError as err:
         fail(err)
     typer.echo(f"job {job_id}: {status}")
@@ -219,10 +218,10 @@ def worker(
         url, key = platform_db(db)
         check_tracking(reach=True)  # what the jobs' runs record to, and their cache
         check_cache()
-        engine = connect(url, key)
+        database = connect(url, key)
     except SpecError as err:
         fail(err)
-    ran = work(engine, url, name=name or default_worker_name(), poll_seconds=poll_seconds,
+    ran = work(database, url, name=name or default_worker_name(), poll_seconds=poll_seconds,
                heartbeat_seconds=heartbeat_seconds, grace_seconds=grace_seconds, exit_when_idle=exit_when_idle)
     typer.echo(f"worker idle after {ran} job{'s' if ran != 1 else ''}", err=True)
 
@@ -240,19 +239,12 @@ def scheduler(
     try:
         within("--poll-seconds", poll_seconds, 0.01, PERIOD_MAX_S)
         check_cache()  # a schedule --to slurm writes its jobs' logs there
-        engine = _engine(db)
+        database = _database(db)
     except SpecError as err:
         fail(err)
-    _log(f"scheduler started: {watching(engine)}; looking every {poll_seconds:g} s" + (", once" if once else ""))
-    queued = serve(engine, once=once, poll_seconds=poll_seconds, log=_log)  # a schedule --to slurm submits to Slurm
+    _log(f"scheduler started: {watching(database)}; looking every {poll_seconds:g} s" + (", once" if once else ""))
+    queued = serve(database, once=once, poll_seconds=poll_seconds, log=_log)  # a Slurm schedule's jobs go to Slurm
     typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
-
-
-def _log(message: str) -> None:
-    """A line of a long-running command's log, with its UTC time."""
-    from fedpilot.db import utcnow
-
-    typer.echo(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {message}")
 
 
 @schedule_app.command("add")
@@ -271,34 +263,38 @@ def schedule_add(
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials. With `--to
     slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
+    from fedpilot.jobs.backend import QUEUE, SlurmBackend, backend, configured
     from fedpilot.jobs.schedule import first_firings, plan, store
+    from fedpilot.jobs.slurm import record
     from fedpilot.pipeline import prepare
     from fedpilot.settings import check_cache, platform_db
 
-    flags = {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
-             "qos": qos}
+    flags = slurm_flags(partition, gpus, cpus, mem, time, account, qos)
     try:
-        target = where(to, "queue")
-        if target != "slurm" and (any(v is not None for v in flags.values()) or parallel > 1):
-            raise SpecError("--to", target, "Slurm options and --parallel need --to slurm")
+        target = backend(to)
+        if target.name == QUEUE and (any(v is not None for v in flags.values()) or parallel > 1):
+            raise SpecError("--to", target.name, "Slurm options and --parallel need --to slurm")
         within("--parallel", parallel, 1, PARALLEL_MAX)
         root = check_cache()
         platform_db(db)  # checked before the pipeline's data is built; the schedule is stored once it passed
         schedule, spec = plan(pipeline, overrides or [], cron, trials, name)
-        if target == "slurm":
-            from fedpilot.jobs.slurm import options, parameters
-
-            chosen = options(spec.resolved().get("slurm"), flags)
-            parameters(spec.resolved(), chosen, spec.name)  # GPUs against devices, before anything is stored
-            schedule.backend, schedule.slurm = "slurm", json.dumps({**chosen.model_dump(exclude_defaults=True),
-                                                                    "parallel": parallel})
-        prepare(spec, root, here=target != "slurm")  # every check a firing's search makes, before storing
-        store(_engine(db), schedule)
+        target = configured(target, spec.resolved(), flags)
+        if isinstance(target, SlurmBackend):
+            schedule.backend, schedule.slurm = target.name, record(target.options, parallel)
+        prepare(spec, root, here=target.here)  # every check a firing's search makes, before storing
+        store(_database(db), schedule)
     except SpecError as err:
         fail(err)
     typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC){' on Slurm' if schedule.backend else ''}; "
                f"firing k brings study {schedule.study} to k x {schedule.trials} trials\n"
-               f"{first_firings(_engine(db), schedule)}")
+               f"{first_firings(_database(db), schedule)}")
+
+
+def _log(message: str) -> None:
+    """A line of a long-running command's log, with its UTC time."""
+    from fedpilot.db import utcnow
+
+    typer.echo(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {message}")
 
 
 @schedule_app.command("list")
@@ -307,7 +303,7 @@ def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
     from fedpilot.jobs.schedule import list_schedules
 
     try:
-        rows = list_schedules(_engine(db))
+        rows = list_schedules(_database(db))
     except SpecError as err:
         fail(err)
     _print_rows(rows, as_json, ["name", "pipeline", "cron", "trials", "study", "to", "paused", "firings",
@@ -319,11 +315,11 @@ def _change(name: str, db: str | None, action: str) -> None:
     from fedpilot.jobs.schedule import remove, set_paused
 
     try:
-        engine = _engine(db)
+        database = _database(db)
         if action == "removed":
-            remove(engine, name)
+            remove(database, name)
         else:
-            set_paused(engine, name, action == "paused")
+            set_paused(database, name, action == "paused")
     except SpecError as err:
         fail(err)
     typer.echo(f"schedule {name}: {action}")
@@ -350,9 +346,3 @@ def schedule_remove(name: ScheduleName, db: Db = None) -> None:
     _change(name, db, "removed")
 
 
-def register(app: typer.Typer) -> None:
-    """Add the job-queue commands and the `schedule` group to the `fedpilot` app."""
-    for command in (submit, cancel, worker, scheduler):
-        app.command()(command)
-    app.add_typer(jobs_app, name="jobs")
-    app.add_typer(schedule_app, name="schedule")

@@ -1,18 +1,15 @@
-"""The `fedpilot` command."""
+"""The pipeline commands: validate, run, search and compare."""
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fedpilot.cli_common import (
+from fedpilot.cli.common import (
     PARALLEL_MAX,
     PERIOD_MAX_S,
-    PORT,
     Account,
     CacheDir,
     Cpus,
@@ -27,59 +24,15 @@ from fedpilot.cli_common import (
     Time,
     checked,
     fail,
-    print_json,
     program,
     reporting,
-    within,
+    slurm_flags,
+    unreachable,
 )
-from fedpilot.errors import SpecError, StageFailed
+from fedpilot.errors import SpecError, StageFailed, within
 from fedpilot.jobs.result_file import write_result
 
-app = typer.Typer(
-    name="fedpilot",
-    help="Personalized federated learning experiments: pipelines, a vectorized engine, MLflow, Optuna.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
-app.add_typer(data_app, name="data")
 
-@data_app.command("describe")
-def data_describe(
-    pipeline: Pipeline,
-    overrides: Overrides = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON for machines.")] = False,
-    cache_dir: Annotated[Path | None, typer.Option(help="Dataset cache (default <$FEDPILOT_CACHE or "
-                                                       ".fedpilot-cache>/data).")] = None,
-) -> None:
-    """Build (or load from the cache) the pipeline's federated dataset and summarise it."""
-    from fedpilot.data import DatasetSpec, build_federated_data, describe, format_summary
-    from fedpilot.settings import check_cache
-    from fedpilot.spec import compose_pipeline, pipeline_seed
-
-    try:
-        check_cache(cache_dir)
-        composed = compose_pipeline(pipeline, overrides or [])
-        if "dataset" not in composed:
-            raise SpecError("dataset", None, "the pipeline names no dataset (add `defaults: [{dataset: digits}]`)")
-        spec = DatasetSpec.from_dict(composed["dataset"])
-        seed = pipeline_seed(composed)
-        start = time.perf_counter()
-        data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
-        seconds = time.perf_counter() - start
-    except SpecError as err:
-        fail(err)
-    summary = {**describe(data), "cache_hit": data.cache_hit, "build_seconds": round(seconds, 3)}
-    if as_json:
-        print_json(summary)
-    else:
-        typer.echo(format_summary(summary))
-        origin = "loaded from cache" if data.cache_hit else "built"
-        typer.echo(f"\n{origin} in {seconds:.2f} s (fingerprint {data.fingerprint})")
-
-
-@app.command()
 def validate(
     pipeline: Pipeline,
     overrides: Overrides = None,
@@ -110,7 +63,6 @@ def validate(
                 f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)
 
 
-@app.command()
 def run(
     pipeline: Annotated[Path | None, typer.Argument(help="Pipeline YAML file (not needed with --resume).")] = None,
     overrides: Overrides = None,
@@ -170,7 +122,7 @@ def run(
         typer.echo(f"\nstopped; continue with: {program()} run --resume {runner.run_id}", err=True)
         raise typer.Exit(stop.code) from None
     except StageFailed as err:  # diverged: a resumed run would diverge again, so no --resume is offered
-        fail(err, code=1)
+        fail(err)
     typer.echo("")
     typer.echo(format_outcomes(result.stages, runner.task.primary))
     typer.echo("")
@@ -181,10 +133,11 @@ def run(
 def format_outcomes(stages: list, metric: str) -> str:
     """Per stage, the distribution of the per-client test `metric` (the task's primary one) and the shares of
     clients better and worse than after the stage before, as a small text table."""
+    from fedpilot.metric_names import TABLE_STATS, metric_label
     from fedpilot.overview import aligned
-    from fedpilot.report import STATS, metric_label, stage_cells
+    from fedpilot.report import stage_cells
 
-    rows = [["stage", "cache", *STATS, "better", "worse"]]
+    rows = [["stage", "cache", *TABLE_STATS, "better", "worse"]]
     rows += [[o.name, o.cache, *stage_cells(o.metrics, metric).values()] for o in stages]
     return f"per-client test {metric_label(metric)}\n" + "\n".join(aligned(rows, right=tuple(range(1, len(rows[0])))))
 
@@ -202,7 +155,6 @@ def where_to_look(uri: str, experiment_id: str, run_id: str, report: bool) -> st
     return f"{browse}\nreport: {path or ui_url(uri, experiment_id, run_id, REPORT_ARTIFACT)}"
 
 
-@app.command()
 def search(
     pipeline: Pipeline,
     overrides: Overrides = None,
@@ -238,8 +190,7 @@ def search(
         fail(err)
     if to is not None or parallel > 1:
         _search_elsewhere(pipeline, overrides, trials, storage, study, to, parallel,
-                          {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time,
-                           "account": account, "qos": qos})
+                          slurm_flags(partition, gpus, cpus, mem, time, account, qos))
         return
     try:
         if study is not None:
@@ -276,8 +227,8 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
                       study: str | None, to: str | None, parallel: int, flags: dict) -> None:
     """`fedpilot search --to slurm|queue`: the search as `parallel` jobs on one study (a Slurm job array, or queued
     for fedpilot workers); prints their job ids."""
-    from fedpilot.cli_common import where
-    from fedpilot.jobs.cli import send
+    from fedpilot.cli.jobs import send
+    from fedpilot.jobs.backend import backend
     from fedpilot.jobs.queue import prepare as job_fields
     from fedpilot.names import check_name
     from fedpilot.settings import platform_db
@@ -286,9 +237,9 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
         if to is None:
             raise SpecError("--parallel", parallel, "starts trial workers elsewhere: add --to slurm (a job array) "
                             "or --to queue (jobs for fedpilot workers)")
-        target = where(to, "queue")
+        target = backend(to)
         platform_db(storage, "--storage")  # checked before the pipeline's data is built
-        fields = job_fields(pipeline, overrides or [], True, trials, here=target != "slurm")
+        fields = job_fields(pipeline, overrides or [], True, trials, here=target.here, unreachable=unreachable)
         if study is not None:
             fields["study"] = check_name("--study", study)
         ids = send(fields, target, flags, parallel, storage, "--storage")
@@ -297,7 +248,6 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     typer.echo(" ".join(map(str, ids)))
 
 
-@app.command()
 def compare(
     set_file: Annotated[Path, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml.")],
     overrides: Overrides = None,
@@ -321,70 +271,6 @@ def compare(
     except SpecError as err:  # the tracking store refused its first request
         fail(err)
     except StageFailed as err:
-        fail(err, code=1)
+        fail(err)
     typer.echo("\n" + result.table)
     typer.echo(f"run_id: {result.run_id}")
-
-
-@app.command()
-def report(
-    run_ids: Annotated[list[str], typer.Argument(help="Pipeline run ids (the `run_id:` that `fedpilot run` prints); "
-                                                      "several are shown side by side.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The HTML file to write.")] = Path("report.html"),
-) -> None:
-    """Write the report of pipeline runs (per-client CDFs, before/after per client, curves, footprints, the
-    per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
-    trials side by side."""
-    from fedpilot.settings import check_output, check_tracking
-
-    try:
-        uri = check_tracking(reach=True)
-        check_output("--output", output)
-    except SpecError as err:
-        fail(err)
-    from mlflow import MlflowClient
-
-    from fedpilot.report import build
-    from fedpilot.tracking import quiet_mlflow
-
-    quiet_mlflow()
-    try:
-        page = build(MlflowClient(uri), run_ids)
-    except SpecError as err:
-        fail(err)
-    output.write_text(page)
-    typer.echo(f"report of {len(run_ids)} run{'s' if len(run_ids) != 1 else ''}: {output.resolve()}")
-
-
-@app.command()
-def ui(
-    port: Annotated[int, typer.Option(help="Port of the MLflow UI (1 to 65535).")] = 5000,
-    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 to share on the network).")] = "127.0.0.1",
-) -> None:
-    """Start the MLflow UI on the configured store ($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
-    import os
-
-    from fedpilot.settings import check_tracking
-
-    try:
-        within("--port", port, *PORT)
-        uri = check_tracking()
-    except SpecError as err:
-        fail(err)
-    if uri.startswith(("http://", "https://")):
-        typer.echo(f"the tracking store is a server: open {uri} in a browser")
-        return
-    typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)\nMLflow 3 opens experiments in "
-               "its GenAI view: switch to \"Model training\" at the top left once, or open the pages fedpilot run prints")
-    os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
-                               "--host", host, "--port", str(port)])
-
-
-from fedpilot.jobs.cli import register as register_job_commands  # noqa: E402
-from fedpilot.scaffold import new_app  # noqa: E402
-
-register_job_commands(app)
-app.add_typer(new_app, name="new")
-
-if __name__ == "__main__":
-    app()

@@ -1,5 +1,5 @@
-"""What every fedpilot command shares: argument types, how a user error ends a command (exit 2), and the outcome a
-command leaves in a job's result file."""
+"""What every fedpilot command shares: argument types, how an error ends a command (its one line and exit code),
+and the outcome a command leaves in a job's result file."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
-from fedpilot.errors import DataUnavailable, SpecError
+from fedpilot.errors import DataUnavailable, StageFailed
 from fedpilot.jobs.result_file import write_result
 
 T = TypeVar("T")
-N = TypeVar("N", int, float)
 
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
 Overrides = Annotated[
@@ -54,25 +53,23 @@ PERIOD_MAX_S = 86_400  # heartbeats and polls: a day (past some thousand years, 
 PORT = (1, 65_535)  # a TCP port
 
 
-def where(to: str | None, default: str) -> str:
-    """`--to`'s value checked (default `default`)."""
-    chosen = to or default
-    if chosen not in ("queue", "slurm"):
-        raise SpecError("--to", chosen, "not a place jobs run", allowed=["queue", "slurm"])
-    return chosen
+def exit_code(err: Exception) -> int:
+    """How an error ends a command: 1 for a stage that failed (StageFailed), 2 for anything the user can fix
+    (SpecError and its domain errors: a missing job, a refused submission, an unknown run)."""
+    return 1 if isinstance(err, StageFailed) else 2
 
 
-def within(key: str, value: N | None, low: N, high: N) -> N | None:
-    """`value` (None passes) when low <= value <= high, else a SpecError on `key`."""
-    if value is not None and not low <= value <= high:
-        raise SpecError(key, value, f"must be from {low:,} to {high:,}")
-    return value
-
-
-def fail(err: Exception, code: int = 2) -> NoReturn:
-    """Print an error in one line and exit with `code`: 2 for a user error (SpecError), 1 for a stage that failed."""
+def fail(err: Exception, code: int | None = None) -> NoReturn:
+    """Print an error in one line and exit with `code` (default: the error's exit_code)."""
     typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=code)
+    raise typer.Exit(code=exit_code(err) if code is None else code)
+
+
+def slurm_flags(partition: str | None, gpus: int | None, cpus: int | None, mem: str | None, time: str | None,
+                account: str | None, qos: str | None) -> dict[str, object]:
+    """The Slurm options a command was given, by name (None: not given); jobs.backend.configured reads them."""
+    return {"partition": partition, "gpus": gpus, "cpus": cpus, "mem": mem, "time": time, "account": account,
+            "qos": qos}
 
 
 def program() -> str:
@@ -86,14 +83,19 @@ def print_json(value: object) -> None:
     sys.stdout.write("\n")
 
 
+def unreachable(err: DataUnavailable) -> None:
+    """Warn that data this machine cannot reach was not checked (the worker or cluster may reach it)."""
+    typer.secho(f"warning: {err}; the checks that need the data run again before anything is created",
+                fg=typer.colors.YELLOW, err=True)
+
+
 def checked(check: Callable[[], T]) -> T | None:
-    """Run the data checks of `validate` or `submit` (their result); data this machine cannot reach is a warning,
-    not an error (the worker or cluster may reach it; `run` refuses it before creating anything): None."""
+    """Run the data checks of `validate` (their result); data this machine cannot reach is a warning, not an error
+    (`run` refuses it before creating anything): None."""
     try:
         return check()
     except DataUnavailable as err:
-        typer.secho(f"warning: {err}; the checks that need the data run again before anything is created",
-                    fg=typer.colors.YELLOW, err=True)
+        unreachable(err)
         return None
 
 

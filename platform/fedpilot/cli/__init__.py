@@ -1,0 +1,35 @@
+"""The `fedpilot` command: the only face of the platform. Each module holds one group of commands; a command
+imports what it runs (torch, Lightning, MLflow, the runner) inside its function, so `validate`, `submit`, `jobs`,
+`schedule` and `data describe` start without them. Nothing below this package prints or exits: it returns values
+or raises the errors of fedpilot.errors, which `common.fail` turns into one line and an exit code."""
+
+from __future__ import annotations
+
+import typer
+
+from fedpilot.cli import browse, jobs, pipeline
+from fedpilot.cli.data import data_app
+from fedpilot.cli.new import new_app
+from fedpilot.cli.pipeline import format_outcomes, where_to_look
+
+__all__ = ["app", "format_outcomes", "main", "where_to_look"]
+
+app = typer.Typer(
+    name="fedpilot",
+    help="Personalized federated learning experiments: pipelines, a vectorized engine, MLflow, Optuna.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(data_app, name="data")
+for command in (pipeline.validate, pipeline.run, pipeline.search, pipeline.compare, browse.report, browse.ui,
+                jobs.submit, jobs.cancel, jobs.worker, jobs.scheduler):
+    app.command()(command)
+app.add_typer(jobs.jobs_app, name="jobs")
+app.add_typer(jobs.schedule_app, name="schedule")
+app.add_typer(new_app, name="new")
+
+
+def main() -> None:
+    """The console script `fedpilot`."""
+    app()

@@ -1,0 +1,48 @@
+"""`fedpilot data`: inspect the federated dataset a pipeline builds."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fedpilot.cli.common import Overrides, Pipeline, fail, print_json
+from fedpilot.errors import SpecError
+
+data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
+
+
+@data_app.command("describe")
+def data_describe(
+    pipeline: Pipeline,
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON for machines.")] = False,
+    cache_dir: Annotated[Path | None, typer.Option(help="Dataset cache (default <$FEDPILOT_CACHE or "
+                                                       ".fedpilot-cache>/data).")] = None,
+) -> None:
+    """Build (or load from the cache) the pipeline's federated dataset and summarise it."""
+    from fedpilot.data import DatasetSpec, build_federated_data, describe, format_summary
+    from fedpilot.settings import check_cache
+    from fedpilot.spec import compose_pipeline, pipeline_seed
+
+    try:
+        check_cache(cache_dir)
+        composed = compose_pipeline(pipeline, overrides or [])
+        if "dataset" not in composed:
+            raise SpecError("dataset", None, "the pipeline names no dataset (add `defaults: [{dataset: digits}]`)")
+        spec = DatasetSpec.from_dict(composed["dataset"])
+        seed = pipeline_seed(composed)
+        start = time.perf_counter()
+        data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
+        seconds = time.perf_counter() - start
+    except SpecError as err:
+        fail(err)
+    summary = {**describe(data), "cache_hit": data.cache_hit, "build_seconds": round(seconds, 3)}
+    if as_json:
+        print_json(summary)
+    else:
+        typer.echo(format_summary(summary))
+        origin = "loaded from cache" if data.cache_hit else "built"
+        typer.echo(f"\n{origin} in {seconds:.2f} s (fingerprint {data.fingerprint})")

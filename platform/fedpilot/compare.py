@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import Field, ValidationError, field_validator
 
 from fedpilot.errors import SpecError, from_validation, within
+from fedpilot.metric_names import HEADLINE_STATS
 from fedpilot.names import check_name
 from fedpilot.pipeline import PipelineRunner, prepare
 from fedpilot.schema import Strict
@@ -36,7 +37,7 @@ from fedpilot.settings import check_cache, check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec, load_pipeline, read_user_yaml
 from fedpilot.tracking import Tracker
 
-SCORES = ("test_acc_mean", "test_acc_p10")
+SCORES = tuple(f"test_acc_{stat}" for stat in HEADLINE_STATS)  # test_acc_mean, test_acc_p10
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
 COMPARE_TAG = "fedpilot.compare"
 

@@ -9,12 +9,11 @@ matplotlib.use("Agg")  # files only, never a window
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from fedpilot.metric_names import metric_label  # noqa: E402
+
 
 def _finite(values: np.ndarray) -> np.ndarray:
     return values[np.isfinite(values)]
-
-
-NAMES = {"acc": "accuracy", "loss": "loss", "mse": "mean squared error", "mae": "mean absolute error"}
 
 
 def _bins(*values: np.ndarray, metric: str) -> np.ndarray:
@@ -37,7 +36,7 @@ def accuracy_histogram(stage: str, acc: np.ndarray, previous: tuple[str, np.ndar
         ax.hist(_finite(previous[1]), bins=bins, histtype="step", lw=2, color="grey", label=previous[0])
     ax.hist(_finite(acc), bins=bins, alpha=0.7, color="tab:blue", label=stage)
     ax.axvline(float(np.nanmean(acc)), color="tab:blue", ls="--", label=f"mean {np.nanmean(acc):.3f}")
-    name = NAMES.get(metric, metric)
+    name = metric_label(metric)
     ax.set(xlabel=f"per-client {split} {name}", ylabel="clients", title=f"{stage}: {split} {name} per client")
     ax.legend()
     fig.tight_layout()
@@ -53,7 +52,7 @@ def accuracy_cdf(stages: dict[str, np.ndarray], split: str = "test", metric: str
         values = np.sort(_finite(acc))
         ax.step(values, np.arange(1, len(values) + 1) / max(len(values), 1), where="post",
                 label=f"{name} (p10 {np.percentile(values, 10):.3f})" if len(values) else name)
-    name = NAMES.get(metric, metric)
+    name = metric_label(metric)
     ax.set(xlabel=f"per-client {split} {name}", ylabel="fraction of clients", ylim=(0, 1),
            title=f"CDF of per-client {split} {name} by stage")
     if metric == "acc":
@@ -75,7 +74,7 @@ def before_after(before: tuple[str, np.ndarray], after: tuple[str, np.ndarray], 
     ax.scatter(x[~better], y[~better], s=14, color="tab:red", label=f"not better ({(~better).sum()})")
     top = 1.02 if metric == "acc" else float(_bins(x, y, metric=metric)[-1]) * 1.02
     ax.plot([0, top], [0, top], color="grey", lw=1)
-    name = NAMES.get(metric, metric)
+    name = metric_label(metric)
     ax.set(xlabel=f"{before[0]} {split} {name}", ylabel=f"{after[0]} {split} {name}", xlim=(0, top), ylim=(0, top),
            title=f"per-client {split} {name}: {before[0]} -> {after[0]}")
     ax.legend(loc="lower right")

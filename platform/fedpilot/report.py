@@ -27,36 +27,35 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from fedpilot.errors import SpecError
+from fedpilot.metric_names import (
+    FOOTPRINT_LABELS,
+    HEADLINE_STATS,
+    TABLE_STATS,
+    TASK_METRICS,
+    footprint_label,
+    higher_is_better,
+    metric_label,
+)
 from fedpilot.tracking import CACHE_SOURCE_TAG, CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
 
 REPORT_ARTIFACT = "report.html"
-LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse")
-FOOTPRINTS = {  # footprint metric -> what it is; other recorded `*bytes*` metrics follow under their own names
-    "shared_bytes": "shared model", "personal_bytes_per_client": "personal, per client",
-    "personal_bank_bytes": "personal bank", "comm_bytes_per_round": "communication per round",
-    "peak_memory_bytes": "measured peak", "estimated_training_bytes": "estimate",
-}
+# The per-client metrics any task records with their whole distribution, by name
+DISTRIBUTED = sorted({m for metrics in TASK_METRICS.values() for m, whole in metrics.items() if whole})
 COLORS = qualitative.Plotly
 PATTERNS = ("", "/", "x", ".", "+", "-")  # a stage's bars when a colour stands for a run
 
 
 def primary_metric(keys: Iterable[str]) -> str:
-    """The per-client metric a stage reports a distribution of (`acc` when there is one): from `test_<m>_p10`."""
-    found = sorted({match[1] for key in keys if (match := re.fullmatch(r"test_(\w+?)_p10", key))})
+    """The per-client metric whose test distribution a stage recorded (`test_<m>_p10`): `acc` when there is one,
+    else the first by name (a run records its metrics, not its task)."""
+    recorded = set(keys)
+    found = [m for m in DISTRIBUTED if f"test_{m}_p10" in recorded]
     return "acc" if "acc" in found or not found else found[0]
 
 
 def curve_keys(metric: str) -> tuple[str, ...]:
     """The series the report draws: the validation mean and p10 of the per-client metric, the training loss."""
-    return f"val_{metric}_mean", f"val_{metric}_p10", "train_loss"
-
-
-def higher_is_better(metric: str) -> bool:
-    return metric not in LOWER_IS_BETTER
-
-
-def metric_label(metric: str) -> str:
-    return {"acc": "accuracy", "mse": "mean squared error", "mae": "mean absolute error"}.get(metric, metric)
+    return *(f"val_{metric}_{stat}" for stat in HEADLINE_STATS), "train_loss"
 
 
 def human_bytes(n: float) -> str:
@@ -310,13 +309,13 @@ def curves_figure(runs: list[PipelineRun]) -> go.Figure | None:
 def footprint_figure(runs: list[PipelineRun]) -> go.Figure:
     """Bytes of each footprint (shared model, personal per client, bank, communication per round, measured peak,
     estimate) per stage, on a log scale."""
-    keys = [k for k in FOOTPRINTS if any(k in s.metrics for r in runs for s in r.stages)]
+    keys = [k for k in FOOTPRINT_LABELS if any(k in s.metrics for r in runs for s in r.stages)]
     keys += sorted({k for r in runs for s in r.stages for k in s.metrics if "bytes" in k and "/" not in k} - set(keys))
     fig = go.Figure()
     for j, run in enumerate(runs):
         for i, stage in enumerate(run.stages):
             values = [stage.metrics.get(k) for k in keys]
-            fig.add_trace(go.Bar(x=[FOOTPRINTS.get(k, k) for k in keys], y=values,
+            fig.add_trace(go.Bar(x=[footprint_label(k) for k in keys], y=values,
                                  text=[human_bytes(v) if v else "" for v in values],
                                  textposition="outside" if len(runs) == 1 else "none",
                                  name=stage.name if len(runs) == 1 else f"{run.label} / {stage.name}",
@@ -372,13 +371,10 @@ def _sized(fig: go.Figure, height: int, top: int = 50) -> go.Figure:
 
 
 # ---- summaries: the report's, the parent run's description, the command line's -----------------------------------
-STATS = ("mean", "weighted", "min", "p10", "p50", "p90")
-
-
 def stage_cells(metrics: dict[str, float], metric: str) -> dict[str, str]:
     """A stage's per-client test distribution and the shares of clients better and worse than the stage before,
     formatted (empty where not recorded: the first stage has no before)."""
-    cells = {s: f"{metrics[k]:.3f}" if (k := f"test_{metric}_{s}") in metrics else "" for s in STATS}
+    cells = {s: f"{metrics[k]:.3f}" if (k := f"test_{metric}_{s}") in metrics else "" for s in TABLE_STATS}
     cells.update({w: f"{metrics[k]:.0%}" if (k := f"test_{metric}_frac_{w}") in metrics else ""
                   for w in ("better", "worse")})
     return cells

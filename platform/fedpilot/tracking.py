@@ -1,9 +1,9 @@
 """MLflow records of a pipeline: one parent run, one nested run per stage, all through one explicit URI.
 
 Names other tools rely on: tag `fedpilot.pipeline` on the parent; `fedpilot.stage` and `fedpilot.cache`
-(hit|miss) on each stage run; the distribution metrics `{val,test}_acc_{mean,weighted,std,min,p10,p25,p50,
-p75,p90,max}` and the memory metrics `shared_bytes personal_bytes_per_client personal_bank_bytes
-comm_bytes_per_round peak_memory_bytes` on each stage run, and each stage's as `<stage>/<metric>` on the parent.
+(hit|miss) on each stage run; the distribution metrics `{val,test}_{metric}_{stat}` (e.g. `test_acc_p10`) and the
+footprints (`shared_bytes`, `peak_memory_bytes`, ...) on each stage run, named by fedpilot.metric_names, and each
+stage's as `<stage>/<metric>` on the parent.
 Experiments are tagged as model training (`mlflow.experimentKind`), so MLflow 3 does not treat them as GenAI.
 """
 

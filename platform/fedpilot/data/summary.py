@@ -8,14 +8,17 @@ import json
 import numpy as np
 
 from fedpilot.data.federated import SPLITS, FederatedData
+from fedpilot.metric_names import QUANTILES
 
-STATS = {"min": 0, "p10": 10, "p25": 25, "median": 50, "p75": 75, "p90": 90, "max": 100}
+# Per-client sizes are described by the quantiles of a per-client metric's distribution and the ends of their range;
+# the middle one keeps its name here, `median` (summary.json's key and the table's column).
+PERCENTILES = {"min": 0, **{"median" if k == "p50" else k: q for k, q in QUANTILES.items()}, "max": 100}
 
 
 def quantiles(values: np.ndarray) -> dict[str, float]:
     """min, p10, p25, median, p75, p90, max and mean of per-client values."""
     values = np.asarray(values, dtype=np.float64)
-    return {**{k: float(np.percentile(values, q)) for k, q in STATS.items()}, "mean": float(values.mean())}
+    return {**{k: float(np.percentile(values, q)) for k, q in PERCENTILES.items()}, "mean": float(values.mean())}
 
 
 def label_histograms(data: FederatedData, split: str = "train") -> np.ndarray:
@@ -76,13 +79,13 @@ def format_summary(d: dict) -> str:
              "next_token": f"vocabulary {d['num_classes']}",
              "regression": f"targets {d['num_classes']}"}[d["task"]]
     lines = [f"task {d['task']}   clients {d['clients']}   features {tuple(d['feature_shape'])}   {extra}",
-             "", f"{'per client':<20}" + "".join(f"{k:>9}" for k in [*STATS, "mean"]) + f"{'total':>10}"]
+             "", f"{'per client':<20}" + "".join(f"{k:>9}" for k in [*PERCENTILES, "mean"]) + f"{'total':>10}"]
     for split in SPLITS:
         row = d["sizes"][split]
-        lines.append(f"{split + ' samples':<20}" + "".join(f"{row[k]:9.6g}" for k in [*STATS, "mean"])
+        lines.append(f"{split + ' samples':<20}" + "".join(f"{row[k]:9.6g}" for k in [*PERCENTILES, "mean"])
                      + f"{d['samples'][split]:10d}")
     for key, label in (("classes_per_client", "classes (train)"), ("tokens_per_client", "tokens (train)"),
                        ("target_mean_per_client", "target mean")):
         if key in d:
-            lines.append(f"{label:<20}" + "".join(f"{d[key][k]:9.4g}" for k in [*STATS, "mean"]))
+            lines.append(f"{label:<20}" + "".join(f"{d[key][k]:9.4g}" for k in [*PERCENTILES, "mean"]))
     return "\n".join(lines)

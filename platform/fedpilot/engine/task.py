@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
+from fedpilot import metric_names
+
 Scores = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over a sample's units, number of units)
 
 
@@ -21,6 +23,7 @@ class Task(ABC):
     per-client distribution `{split}_{metric}_{mean,std,min,p10,...}`; the first of them is the task's primary
     metric (stage tables, plots, better/worse than the previous stage), better when higher if `higher_is_better`.
     loss: the metric training minimizes; train_metric: what training steps report as `train_{train_metric}`.
+    The built-in tasks take their metric names from fedpilot.metric_names, which the torch-free spec also reads.
     """
 
     name: ClassVar[str]
@@ -69,8 +72,7 @@ class Classification(Task):
     cross-entropy loss and accuracy."""
 
     name = "classification"
-    metrics = ("acc", "loss")
-    distributions = ("acc",)
+    metrics, distributions = metric_names.task_metrics(name), metric_names.distributions(name)
     train_metric = "acc"
 
     def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
@@ -88,8 +90,7 @@ class NextToken(Task):
     Overflow task), both per token (a client's accuracy is its hits over all its real tokens)."""
 
     name = "next_token"
-    metrics = ("acc", "loss")
-    distributions = ("acc", "loss")
+    metrics, distributions = metric_names.task_metrics(name), metric_names.distributions(name)
     train_metric = "acc"
 
     def __init__(self, pad: int, unk: int, bos: int, eos: int):
@@ -108,11 +109,10 @@ class Regression(Task):
     over its d targets."""
 
     name = "regression"
-    metrics = ("mse", "mae")
-    distributions = ("mse", "mae")
+    metrics, distributions = metric_names.task_metrics(name), metric_names.distributions(name)
     loss_metric = "mse"
     train_metric = "mae"
-    higher_is_better = False
+    higher_is_better = metric_names.higher_is_better(metric_names.primary(name))
 
     def scores(self, output: torch.Tensor, y: torch.Tensor) -> Scores:
         error = output.float().reshape(y.shape[0], -1) - y.float().reshape(y.shape[0], -1)

@@ -41,9 +41,11 @@ from workload import DATA_DIR, RoundClock, median_after_warmup  # noqa: E402
 
 from fedpilot.algorithms import build_algorithm  # noqa: E402
 from fedpilot.data.federated import mapped  # noqa: E402
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
+from fedpilot.engine.config import LocalConfig, StageConfig  # noqa: E402
 from fedpilot.engine.data import ClientData  # noqa: E402
-from fedpilot.models import apply_split, build_model  # noqa: E402
+from fedpilot.engine.stage import FederatedStage  # noqa: E402
+from fedpilot.models.split import apply_split  # noqa: E402
+from fedpilot.models.zoo import build_model  # noqa: E402
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000]
 COHORTS = [10, 50, 200, 1000]

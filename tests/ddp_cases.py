@@ -19,8 +19,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from engine_fixtures import TinyMLP, ToyData, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
-from fedpilot.models import build_model
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.models.zoo import build_model
 
 HEAD = ["head.weight", "head.bias"]
 GATE = ["gate.budget", "gate.norm.weight", "gate.norm.bias", "gate.gates.weight", "gate.gates.bias",

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from fedpilot.cli import app
-from fedpilot.engine import FederatedStage
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.pipeline.signals import CheckpointOnStop
 from fedpilot.tracking import RoundMetrics, Tracker
 

@@ -6,7 +6,8 @@ import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close, run_stage
 

@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.ffgg import alternations, byzantine_clients, draw_delays, robust_mean
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
 from fedpilot.engine.batches import epoch_plan, round_generator
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 from test_algo_pflego import FULL_BATCH, client_loss
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 

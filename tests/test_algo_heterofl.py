@@ -9,7 +9,8 @@ import torch
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.resources import Levels
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.errors import SpecError
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close

@@ -6,7 +6,7 @@ import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.testing import EXECUTIONS
 from test_algo_fedprox import local_gradient
 from test_engine_equivalence import assert_close, run_stage

@@ -13,9 +13,9 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.pfedgate import BlockGate
 from fedpilot.algorithms.resources import Levels
 from fedpilot.api import RoundInfo, Upload
-from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.errors import SpecError
-from fedpilot.models import build_model
+from fedpilot.models.zoo import build_model
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close, run_stage
 

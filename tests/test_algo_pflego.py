@@ -13,7 +13,8 @@ from torch.func import functional_call
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.algorithms.pflego import Pflego
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import HEAD, INPUT, assert_close, run_stage
 

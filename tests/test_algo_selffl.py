@@ -21,8 +21,9 @@ from fedpilot.algorithms.selffl import (
     trace_variance,
     welford,
 )
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.data import ClientData
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.engine.task import Scores, Task
 from fedpilot.testing import EXECUTIONS
 from test_engine_equivalence import assert_close

@@ -13,11 +13,14 @@ import datasets
 import numpy as np
 import pytest
 
-from fedpilot.data import DatasetSpec, FederatedData, build_federated_data, describe, format_summary
+from fedpilot.data.config import DatasetSpec
+from fedpilot.data.federated import FederatedData, build_federated_data
+from fedpilot.data.summary import describe, format_summary
 from fedpilot.spec import compose_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import hashlib, sys; from fedpilot.data import DatasetSpec, build_federated_data; "
+PROBE = ("import hashlib, sys; from fedpilot.data.config import DatasetSpec; "
+         "from fedpilot.data.federated import build_federated_data; "
          "d = build_federated_data(DatasetSpec.from_dict({'source': {'kind': 'digits'}, 'partition': "
          "{'kind': 'dirichlet', 'alpha': 0.3, 'clients': 30}}), 0, sys.argv[1]); "
          "print(hashlib.sha256(d.x.tobytes() + d.y.tobytes()).hexdigest())")

@@ -8,8 +8,8 @@ import datasets
 import numpy as np
 import pytest
 
-from fedpilot.data import DatasetSpec, build_federated_data
-from fedpilot.data.config import Source
+from fedpilot.data.config import DatasetSpec, Source
+from fedpilot.data.federated import build_federated_data
 from fedpilot.data.sources import RawData
 from fedpilot.errors import SpecError
 

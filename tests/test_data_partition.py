@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedpilot.data import label_skew
 from fedpilot.data.config import PartitionSpec, SplitSpec
 from fedpilot.data.partition import partition, split_client
 from fedpilot.data.sources import digits
+from fedpilot.data.summary import label_skew
 
 LABELS = digits().y
 

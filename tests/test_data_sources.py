@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedpilot.data import DatasetSpec, build_federated_data
-from fedpilot.data.config import HFSource, SyntheticSource
-from fedpilot.data.federated import task_targets
+from fedpilot.data.config import DatasetSpec, HFSource, SyntheticSource
+from fedpilot.data.federated import build_federated_data, task_targets
 from fedpilot.data.sources import digits, hugging_face, synthetic
 from fedpilot.errors import SpecError
 

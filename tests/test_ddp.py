@@ -19,9 +19,10 @@ from mlflow import MlflowClient
 
 from ddp_cases import CASES, train_cases
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import Upload
+from fedpilot.engine.protocol import Upload
 from fedpilot.errors import SpecError
-from fedpilot.pipeline import PipelineRunner, check_devices
+from fedpilot.pipeline.checks import check_devices
+from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.spec import load_pipeline
 from pipeline_fixtures import SMALL, run_id_of, write_pipeline
 

@@ -7,8 +7,10 @@ import torch
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.api import Algorithm
-from fedpilot.engine import Cohort, LocalConfig, StageConfig, Upload
 from fedpilot.engine.accel import choose_execution, executor_candidates
+from fedpilot.engine.cohort import Cohort
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.protocol import Upload
 from fedpilot.testing import HEAD, INPUT, assert_close, assert_matches_sequential, run_stage
 
 CASES = [

@@ -12,9 +12,12 @@ import torch
 
 from engine_fixtures import fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.data import DatasetSpec, build_federated_data
-from fedpilot.engine import LocalConfig, StageConfig, carry_bank
-from fedpilot.models import apply_split, build_model
+from fedpilot.data.config import DatasetSpec
+from fedpilot.data.federated import build_federated_data
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import carry_bank
+from fedpilot.models.split import apply_split
+from fedpilot.models.zoo import build_model
 from fedpilot.pipeline.checks import client_data
 
 

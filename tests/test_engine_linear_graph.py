@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData
-from fedpilot.engine import LocalConfig
 from fedpilot.engine.accel import executor_candidates
 from fedpilot.engine.accel import loop as engine_local
 from fedpilot.engine.accel.bmm import BmmExecutor
 from fedpilot.engine.accel.linear_graph import Tape, linear_graph
 from fedpilot.engine.accel.vmap import VmapAutogradExecutor
 from fedpilot.engine.cohort import plain_forward
+from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.executor import StepRule
 from fedpilot.engine.task import CLASSIFICATION, NextToken, Regression, Task, make_task
 from fedpilot.testing import HEAD, INPUT, assert_matches_sequential, run_stage

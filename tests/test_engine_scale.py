@@ -8,9 +8,9 @@ import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
 from fedpilot.engine.accel import VMAPPED
 from fedpilot.engine.bank import ClientBank, starting_bank
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.testing import INPUT
 

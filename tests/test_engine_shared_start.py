@@ -10,15 +10,16 @@ from torch.func import functional_call
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData
 from fedpilot.api import Algorithm
-from fedpilot.engine import LocalConfig, Upload
 from fedpilot.engine.accel import executor_candidates
 from fedpilot.engine.accel import loop as local
 from fedpilot.engine.accel.loop import BatchedFirstStepExecutor, LoopExecutor
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.cohort import Cohort, plain_forward
+from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.executor import Batches, StepRule, TrainStats, precision_context
+from fedpilot.engine.protocol import Upload
 from fedpilot.engine.task import make_task
-from fedpilot.models import build_model
+from fedpilot.models.zoo import build_model
 from fedpilot.testing import assert_matches_sequential
 
 CLASSIFICATION = make_task("classification")

@@ -8,7 +8,8 @@ import torch
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.errors import SpecError
 from fedpilot.spec import load_pipeline
 from pipeline_fixtures import SMALL, write_pipeline

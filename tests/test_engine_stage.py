@@ -10,7 +10,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import Cohort, FederatedStage, LocalConfig, ServerConfig, StageConfig
+from fedpilot.engine.cohort import Cohort
+from fedpilot.engine.config import LocalConfig, ServerConfig, StageConfig
+from fedpilot.engine.stage import FederatedStage
 
 HEAD = ["head.weight", "head.bias"]
 

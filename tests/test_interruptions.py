@@ -15,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.algorithms import build_algorithm
-from fedpilot.pipeline import code_fingerprint
+from fedpilot.pipeline.cache import code_fingerprint
 from fedpilot.tracking import RoundMetrics, Tracker
 from pipeline_fixtures import (
     SMALL,

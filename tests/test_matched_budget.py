@@ -12,7 +12,7 @@ import pytest
 
 from fedpilot.compare import load_comparison
 from fedpilot.engine.cohort import RoundWork
-from fedpilot.pipeline import PipelineRunner
+from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.spec import PipelineSpec
 from fedpilot.testing import fit
 

@@ -7,9 +7,10 @@ import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
-from fedpilot.models import apply_split, build_model
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.models.memory import backprop_bytes, estimated_training_bytes
+from fedpilot.models.split import apply_split
+from fedpilot.models.zoo import build_model
 from fedpilot.pipeline.report import stage_report
 
 MB = 1e6  # the paper's megabytes: its 11.2M-parameter ResNet-18 "requires around 45 megabytes"

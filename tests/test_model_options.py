@@ -22,8 +22,16 @@ from torch import nn
 import fedpilot.models.options as model_options
 from fedpilot.api import Net
 from fedpilot.errors import SpecError
-from fedpilot.models import MODELS, apply_split, build_model
-from fedpilot.models.options import SCHEMAS, ModelOptions, model_problem, option_names, validated_options
+from fedpilot.models.options import (
+    MODELS,
+    SCHEMAS,
+    ModelOptions,
+    model_problem,
+    option_names,
+    validated_options,
+)
+from fedpilot.models.split import apply_split
+from fedpilot.models.zoo import build_model
 
 VOCAB, LENGTH = 7, 6
 SMALL = {"resnet18": {"width": 4}}  # under every variant: a full-width ResNet-18 takes seconds to build

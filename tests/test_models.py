@@ -11,7 +11,9 @@ from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 from fedpilot.errors import SpecError
-from fedpilot.models import MODELS, PRESETS, Adapter, apply_split, build_model
+from fedpilot.models.options import MODELS, PRESETS
+from fedpilot.models.split import Adapter, apply_split
+from fedpilot.models.zoo import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.task import Scores, Task
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from fedpilot.engine import FederatedStage
+from fedpilot.engine.stage import FederatedStage
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 DISTRIBUTION = [f"{split}_acc_{stat}" for split in ("test", "val")

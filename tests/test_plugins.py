@@ -326,9 +326,11 @@ def test_run_and_search_use_the_plugin_and_its_code_is_in_the_stage_key(lab, wor
 
 def test_the_plugins_model_and_source_code_are_in_the_stage_key_and_the_dataset_fingerprint(lab):
     from fedpilot.algorithms import build_algorithm
-    from fedpilot.data import DatasetSpec, fingerprint
-    from fedpilot.models import MODELS, build_model
-    from fedpilot.pipeline import code_fingerprint
+    from fedpilot.data.config import DatasetSpec
+    from fedpilot.data.federated import fingerprint
+    from fedpilot.models.options import MODELS
+    from fedpilot.models.zoo import build_model
+    from fedpilot.pipeline.cache import code_fingerprint
 
     algorithm, model = build_algorithm("twostep"), build_model("wide", (8,), 4)
     narrow = build_model("narrow", (8,), 4), MODELS["narrow"]  # a builder function's Net of torch classes only

@@ -235,7 +235,7 @@ def test_an_unreachable_controller_is_exit_2_and_queues_nothing(slurm, workdir, 
 
 def test_one_experiment_over_two_slurm_tasks_records_once_and_equals_one_process(slurm, workdir):
     """`devices: 2` on a CPU-only cluster: srun starts two tasks, each a rank of Lightning's SLURM environment."""
-    from fedpilot.pipeline import PipelineRunner
+    from fedpilot.pipeline.runner import PipelineRunner
     from fedpilot.spec import load_pipeline
 
     path = write_pipeline(workdir, {**TINY, "device": "cpu", "devices": 2}, "ddp.yaml")

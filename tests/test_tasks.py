@@ -11,13 +11,13 @@ from torch import nn
 
 from engine_fixtures import TinyCNN, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.data import DatasetSpec, build_federated_data
-from fedpilot.data.config import TextSpec
+from fedpilot.data.config import DatasetSpec, TextSpec
+from fedpilot.data.federated import build_federated_data
 from fedpilot.data.text import pack_windows, pad_to
-from fedpilot.engine import LocalConfig, StageConfig
+from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.data import Augment, ClientData
 from fedpilot.engine.task import NextToken, Regression, make_task
-from fedpilot.models import build_model
+from fedpilot.models.zoo import build_model
 from fedpilot.pipeline.checks import client_data
 from fedpilot.testing import EXECUTIONS
 

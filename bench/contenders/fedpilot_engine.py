@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import RoundClock, Workload, build_model, contender_args, load_data, report  # noqa: E402
 
 from fedpilot.algorithms import build_algorithm  # noqa: E402
-from fedpilot.engine import FederatedStage, LocalConfig, StageConfig  # noqa: E402
+from fedpilot.engine.config import LocalConfig, StageConfig  # noqa: E402
 from fedpilot.engine.data import ClientData  # noqa: E402
-from fedpilot.models import build_model as zoo_model  # noqa: E402
+from fedpilot.engine.stage import FederatedStage  # noqa: E402
 from fedpilot.models.split import ParamSplit  # noqa: E402
+from fedpilot.models.zoo import build_model as zoo_model  # noqa: E402
 
 
 def federated_data(work: Workload) -> ClientData:

@@ -31,7 +31,8 @@ from pydantic import Field, ValidationError, field_validator
 from fedpilot.errors import SpecError, from_validation, within
 from fedpilot.metric_names import HEADLINE_STATS
 from fedpilot.names import check_name
-from fedpilot.pipeline import PipelineRunner, prepare
+from fedpilot.pipeline.checks import prepare
+from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.schema import Strict
 from fedpilot.settings import check_cache, check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec, load_pipeline, read_user_yaml

@@ -23,7 +23,7 @@ def builtin_names(kind: str) -> list[str]:
     if kind == "algorithm":
         from fedpilot.algorithms import ALGORITHMS as registry
     elif kind == "model":
-        from fedpilot.models import MODELS as registry
+        from fedpilot.models.options import MODELS as registry
     else:
         from fedpilot.data.config import SOURCES as registry
     return list(registry.builtins)

@@ -144,8 +144,10 @@ def learned_accuracy(algorithm: Algorithm | str, model: str | Callable[..., nn.M
     `model` (a registered name or a Net class) on scikit-learn's digits over `clients` clients with Dirichlet(0.5)
     label skew (chance: 0.1); `personalization` is the split unless the algorithm sets its own."""
     from fedpilot.algorithms import build_algorithm
-    from fedpilot.data import DatasetSpec, build_federated_data
-    from fedpilot.models import MODELS, apply_split
+    from fedpilot.data.config import DatasetSpec
+    from fedpilot.data.federated import build_federated_data
+    from fedpilot.models.options import MODELS
+    from fedpilot.models.split import apply_split
     from fedpilot.pipeline.checks import client_data
 
     algorithm = build_algorithm(algorithm) if isinstance(algorithm, str) else algorithm
@@ -177,7 +179,7 @@ def check_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()
                    cache_dir: Path | None = None) -> dict[str, Any]:
     """Every check `fedpilot validate` makes (composition, schema, the algorithms' params, model options, building
     the dataset and the model): the resolved spec, or the SpecError a user would see."""
-    from fedpilot.pipeline import prepare
+    from fedpilot.pipeline.checks import prepare
     from fedpilot.spec import load_pipeline
 
     spec = load_pipeline(path, list(overrides))

@@ -23,7 +23,9 @@ def data_describe(
                                                        ".fedpilot-cache>/data).")] = None,
 ) -> None:
     """Build (or load from the cache) the pipeline's federated dataset and summarise it."""
-    from fedpilot.data import DatasetSpec, build_federated_data, describe, format_summary
+    from fedpilot.data.config import DatasetSpec
+    from fedpilot.data.federated import build_federated_data
+    from fedpilot.data.summary import describe, format_summary
     from fedpilot.settings import check_cache
     from fedpilot.spec import compose_pipeline, pipeline_seed
 

@@ -266,7 +266,7 @@ def schedule_add(
     from fedpilot.jobs.backend import QUEUE, SlurmBackend, backend, configured
     from fedpilot.jobs.schedule import first_firings, plan, store
     from fedpilot.jobs.slurm import record
-    from fedpilot.pipeline import prepare
+    from fedpilot.pipeline.checks import prepare
     from fedpilot.settings import check_cache, platform_db
 
     flags = slurm_flags(partition, gpus, cpus, mem, time, account, qos)

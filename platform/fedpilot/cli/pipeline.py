@@ -46,7 +46,7 @@ def validate(
     from omegaconf import OmegaConf
 
     from fedpilot.overview import applicable, summary
-    from fedpilot.pipeline import prepare
+    from fedpilot.pipeline.checks import prepare
     from fedpilot.settings import check_cache, check_tracking
     from fedpilot.spec import load_pipeline
 
@@ -101,7 +101,9 @@ def run(
             spec = load_pipeline(pipeline, overrides or [])
         check_tracking(spec.tracking.uri, reach=True)
         # torch, Lightning and MLflow load only for a valid spec: a bad input is refused in a second or two
-        from fedpilot.pipeline import PipelineRunner, Stopped, quiet_lightning
+        from fedpilot.pipeline.progress import quiet_lightning
+        from fedpilot.pipeline.runner import PipelineRunner
+        from fedpilot.pipeline.signals import Stopped
 
         quiet_lightning()
         runner = PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
@@ -177,7 +179,7 @@ def search(
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
     `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
     from fedpilot.names import check_name
-    from fedpilot.pipeline import prepare
+    from fedpilot.pipeline.checks import prepare
     from fedpilot.settings import SQL_INT_MAX, check_cache, check_output, check_tracking, platform_db
     from fedpilot.spec import load_pipeline
 
@@ -203,7 +205,7 @@ def search(
         check_tracking(spec.tracking.uri, reach=True)
         prepare(spec, root)  # every input check before the study and its MLflow run exist
         # torch, Lightning and MLflow load once every input is checked
-        from fedpilot.pipeline import quiet_lightning
+        from fedpilot.pipeline.progress import quiet_lightning
         from fedpilot.tuning import Search, quiet_optuna
 
         quiet_lightning()
@@ -258,7 +260,7 @@ def compare(
     """Run a named set of pipelines over N seeds; print and record (MLflow) the table of per-client test accuracy
     (mean, p10; mean and sd over seeds; paired differences with the baseline); ends with run_id."""
     from fedpilot.compare import load_comparison, run_comparison
-    from fedpilot.pipeline import quiet_lightning
+    from fedpilot.pipeline.progress import quiet_lightning
 
     quiet_lightning()
     try:

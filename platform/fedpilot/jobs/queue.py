@@ -53,7 +53,7 @@ def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, 
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere). With
     `here` off (a Slurm job) the devices it asks for need not exist on this machine. Data this machine cannot reach
     goes to `unreachable` (the worker or cluster may reach it), else raises."""
-    from fedpilot.pipeline import prepare as check
+    from fedpilot.pipeline.checks import prepare as check
     from fedpilot.settings import SQL_INT_MAX, check_cache
     from fedpilot.spec import load_pipeline
 

@@ -9,27 +9,7 @@ Contract for every model in the zoo, a plugin's (a `Net` subclass registered und
   parameter dict per client;
 - seeded initialisation is the caller's job: torch.manual_seed before build_model.
 
-Importing this package is cheap (no torch): fedpilot.models.options (the registry, the built-in models' option
-schemas, the presets) is torch-free, and the names below that need torch load it on first use.
+Modules: options (the registry, each built-in model's option schema, the presets; torch-free, what validate reads),
+zoo (`Net` and the built-in builders), split (the personal/shared split, adapters), memory (a client's training
+memory). Import each name from its module; the package itself imports nothing.
 """
-
-from importlib import import_module
-from typing import Any
-
-from fedpilot.models.options import MODELS, PRESETS
-
-_LAZY = {
-    "Adapter": "fedpilot.models.split",
-    "ParamSplit": "fedpilot.models.split",
-    "apply_split": "fedpilot.models.split",
-    "Net": "fedpilot.models.zoo",
-    "build_model": "fedpilot.models.zoo",
-}
-
-__all__ = ["MODELS", "PRESETS", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(_LAZY[name]), name)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedpilot.data import FederatedData
+from fedpilot.data.federated import FederatedData
 from fedpilot.spec import PipelineSpec
 
 CACHE_FORMAT = 1

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from fedpilot.engine.stage import FederatedStage
-from fedpilot.models import ParamSplit
 from fedpilot.models.memory import backprop_bytes, estimated_training_bytes
+from fedpilot.models.split import ParamSplit
 
 SPLITS = ("val", "test")
 

@@ -22,7 +22,8 @@ from fedpilot.data.summary import describe
 from fedpilot.engine.accel.memory import PeakMemory
 from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.errors import StageFailed
-from fedpilot.models import MODELS, ParamSplit, apply_split
+from fedpilot.models.options import MODELS
+from fedpilot.models.split import ParamSplit, apply_split
 from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm

@@ -1,4 +1,4 @@
-"""FFGG (paper 004): Theorems 1-4 on the paper's linear-quadratic problem; the engine's rounds are Algorithms 1-5
+"""FFGG (Mishchenko et al. 2023): Theorems 1-4 on the paper's linear-quadratic problem; the engine's rounds are Algorithms 1-5
 computed by hand; vectorized = sequential; the robust aggregator against Definition 2; bad params."""
 
 from __future__ import annotations

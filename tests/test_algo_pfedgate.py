@@ -64,7 +64,7 @@ def test_exact_knapsack_is_the_best_subset_that_fits():
 
 
 def test_greedy_knapsack_gap_to_the_exact_solution_on_the_digits_mlp():
-    """The numbers in pfedgate.py's docstring: greedy reaches ~99.5% of the exact objective on average, at worst
+    """The numbers in docs/algorithms.md (pFedGate's knapsack): greedy reaches ~99.5% of the exact objective on average, at worst
     ~91%, and the exact choice is strictly better on ~38% of uniform random importance draws."""
     exact, greedy = digits_gate("auto"), digits_gate("greedy")
     assert exact.exact and not greedy.exact
@@ -87,7 +87,7 @@ def test_exact_knapsack_with_too_many_blocks_is_refused():
 
 
 def test_levels_give_exact_shares_seeded_by_the_pipeline_seed():
-    levels = Levels(values=[1.0, 0.5], shares=[0.1, 0.9])  # paper 003's HeteroFL setting
+    levels = Levels(values=[1.0, 0.5], shares=[0.1, 0.9])  # Chen et al. (ICML 2023)'s HeteroFL setting
     drawn = levels.per_client(seed=0, n_clients=50)
     assert int((drawn == 1.0).sum()) == 5 and int((drawn == 0.5).sum()) == 45
     assert torch.equal(drawn, levels.per_client(seed=0, n_clients=50))

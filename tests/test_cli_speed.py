@@ -2,7 +2,7 @@
 nor Lightning nor MLflow (nor scikit-learn or Hugging Face `datasets` once the data is cached), and neither do `run`
 and `search` refusing a bad input: each runs here in a fresh interpreter (`python -X importtime`, whose report names
 every module imported) with its cache, platform database and MLflow store in a temporary folder. Nothing here measures
-time (the README's CLI section and the issue's note give wall times); what keeps them short is what is imported."""
+time (docs/cli.md and the issue's note give wall times); what keeps them short is what is imported."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 random override lists go through `fedpilot validate`; a bounded sample of the inputs that validate goes
 through `fedpilot run`, shrunk to tiny rounds.
 
-The properties (README, "bad inputs"): never a traceback, never a hang (each command runs under a time limit),
+The properties (docs/testing.md): never a traceback, never a hang (each command runs under a time limit),
 exit 0 or 2; on 2 exactly one `error: ` line and nothing created (no MLflow run, stage cache entry, checkpoint
 or job row). A run may also end with 1, but only with a `stage '...' diverged` error (an extreme learning
 rate). The inputs come from a fixed seed (`derandomize`): a suite run tries the same inputs each time. The

@@ -45,7 +45,7 @@ FIRST_LAYER = {
     "resnet18": {"body.0.weight"},
     "char_lstm": {"body.embed.weight"},
 }
-# paper 000 personalizes the first / last transformer block of a large-vocabulary model, not embeddings / output layer
+# Pillutla et al. (ICML 2022) personalize the first / last transformer block of a large-vocabulary model, not embeddings / output layer
 BLOCKS = {"transformer": (1, 2), "text_classifier": (1, 2)}
 
 

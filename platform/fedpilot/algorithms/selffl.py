@@ -40,7 +40,7 @@ scalar synthetic problem (tests/test_algo_selffl.py). Choices where the paper is
   s_m end small enough that Eq. 8's target W_-m / (1 / s_m + W_-m) is above what one step's contraction
   1 - lr / (N_m s_m) leaves: l_m rounds to 1 for every client with a variance estimate. A client trains l_max
   steps in its first two activations (s_m = 0) and one step after. Algorithm 2's s0 from local optima (Eq. 22) is
-  larger, but its s_m is smaller too and l_m is again 1 (the figures: README, "How each paper reads").
+  larger, but its s_m is smaller too and l_m is again 1 (the figures: docs/algorithms.md, Self-FL).
 * Eq. 8 edge cases. Zero variance (no estimate yet, below) means infinite own precision: the client's target
   is its local optimum, so it trains l_max steps. 0 < s_m <= eta / N_m: the contraction 1 - eta / s_m is not
   in (0, 1); one step already reaches the quadratic's optimum, so l_m = 1 (Eq. 8's limit as s_m -> eta / N_m).

@@ -11,7 +11,7 @@ from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.models.memory import backprop_bytes, estimated_training_bytes
 from fedpilot.models.split import apply_split
 from fedpilot.models.zoo import build_model
-from fedpilot.pipeline.report import stage_report
+from fedpilot.pipeline.stage_record import stage_record
 
 MB = 1e6  # the paper's megabytes: its 11.2M-parameter ResNet-18 "requires around 45 megabytes"
 
@@ -50,7 +50,7 @@ def test_a_stage_records_the_estimate_next_to_its_peak(algorithm, personal, u, v
     cfg = StageConfig(rounds=1, clients_per_round=3, local=LocalConfig(steps=1))
     stage = stage_for(model, names, data, build_algorithm(algorithm), cfg)
     fit(stage)
-    memory = stage_report(stage, stage.split, [str(c) for c in range(data.n_clients)], peak=123, before=None).memory
+    memory = stage_record(stage, stage.split, [str(c) for c in range(data.n_clients)], peak=123, before=None).memory
     backprop = 2 * 4 * (24 + 24 + 4)
     assert memory["estimated_training_bytes"] == 4 * (3 * u + 2 * v) + backprop
     assert memory["peak_memory_bytes"] == 123

@@ -64,7 +64,7 @@ def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
 
 
 def send(fields: dict, to: Backend, flags: dict, parallel: int, db: str | None, option: str = "--db") -> list[int]:
-    """Submit a validated job (jobs.queue.prepare) `parallel` times to the backend `to` (on Slurm an array when
+    """Submit a validated job (jobs.queue.job_fields) `parallel` times to the backend `to` (on Slurm an array when
     `parallel` > 1, with the Slurm options `flags`), in the platform database `option` (its value `db`) names; the
     job ids (Slurm's ids are told on stderr)."""
     from fedpilot.jobs.backend import configured
@@ -98,14 +98,14 @@ def submit(
     to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
     print the job ids (alone on stdout, for scripts)."""
     from fedpilot.jobs.backend import QUEUE, backend
-    from fedpilot.jobs.queue import prepare
+    from fedpilot.jobs.queue import job_fields
     from fedpilot.settings import platform_db
 
     try:
         target = backend(to)
         within("--parallel", parallel, 1, PARALLEL_MAX)
         platform_db(db)  # checked before the pipeline's data is built; the job is stored once the pipeline passed
-        fields = prepare(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
+        fields = job_fields(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
         ids = send(fields, target, slurm_flags(partition, gpus, cpus, mem, time, account, qos), parallel, db)
     except SpecError as err:
         fail(err)

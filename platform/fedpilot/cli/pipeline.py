@@ -231,7 +231,7 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     for fedpilot workers); prints their job ids."""
     from fedpilot.cli.jobs import send
     from fedpilot.jobs.backend import backend
-    from fedpilot.jobs.queue import prepare as job_fields
+    from fedpilot.jobs.queue import job_fields
     from fedpilot.names import check_name
     from fedpilot.settings import platform_db
 

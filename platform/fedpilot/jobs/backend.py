@@ -25,7 +25,7 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(self, database: Engine, db_url: str, fields: dict[str, Any], parallel: int) -> list[tuple[int, str | None]]:
-        """Store `parallel` rows of a validated job (jobs.queue.prepare) and start them; (row id, the backend's own
+        """Store `parallel` rows of a validated job (jobs.queue.job_fields) and start them; (row id, the backend's own
         job id or None) of each. Nothing stays stored when the backend refuses the job."""
 
     @abstractmethod

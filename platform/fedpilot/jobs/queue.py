@@ -47,7 +47,7 @@ PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)  # the worker's log: stderr unless the process configures logging
 
 
-def prepare(path: Path, overrides: list[str], search: bool, trials: int | None, here: bool = True,
+def job_fields(path: Path, overrides: list[str], search: bool, trials: int | None, here: bool = True,
             unreachable: Callable[[DataUnavailable], None] | None = None) -> dict[str, Any]:
     """Validate a pipeline into the fields of a job (kind, pipeline name, resolved spec, trials and study): every
     check `fedpilot run` makes runs now, and local dataset paths become absolute (a worker runs elsewhere). With

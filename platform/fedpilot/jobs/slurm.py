@@ -124,7 +124,7 @@ def absolute_db(url: str) -> str:
 # ---- submitting ------------------------------------------------------------------------------------------------
 def enqueue(database: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmSpec,
             parallel: int = 1) -> list[tuple[int, str]]:
-    """Store `parallel` rows of a job (validated fields, see jobs.queue.prepare) and submit them to Slurm, as one
+    """Store `parallel` rows of a job (validated fields, see jobs.queue.job_fields) and submit them to Slurm, as one
     job array when more than one; (row id, Slurm job id) of each. Nothing stays queued when sbatch refuses (a
     SubmitRefused says why)."""
     if parallel < 1:

@@ -28,8 +28,8 @@ from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
-from fedpilot.pipeline.report import SPLITS, stage_report
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
+from fedpilot.pipeline.stage_record import SPLITS, stage_record
 from fedpilot.report import log_report, pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
@@ -243,7 +243,7 @@ class PipelineRunner:
         """Log a finished stage's report (final metrics, footprints, per-client table, plots) to its run and finish
         it (unless `log` is off: a resumed run already holds it)."""
         name = self.spec.stages[index].name
-        report = stage_report(stage, split, self.data.client_names, peak, before)
+        report = stage_record(stage, split, self.data.client_names, peak, before)
         if log:
             previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s][stage.task.primary].numpy()
                                                            for s in SPLITS}) if before is not None else None

@@ -1,4 +1,4 @@
-"""What a finished stage reports: the per-client distributions, the change against the previous stage, the memory
+"""What a finished stage records: the per-client distributions, the change against the previous stage, the memory
 footprints and the per-client table (the runner logs them; the stage cache keeps what they are made from)."""
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ SPLITS = ("val", "test")
 
 
 @dataclass
-class StageReport:
+class StageRecord:
     accuracy: dict[str, np.ndarray]  # split -> per-client values of the task's primary metric (accuracy, mse)
     metrics: dict[str, float]  # final distributions, and the fractions of clients better / worse than before
     memory: dict[str, float]  # footprints, and the algorithm's per-client scalars (mean, max)
     clients: dict[str, list[Any]]  # the per-client table
 
 
-def stage_report(stage: FederatedStage, split: ParamSplit, names: list[str], peak: int,
-                 before: FederatedStage | None) -> StageReport:
-    """The report of a finished `stage` (clients `names`, peak memory `peak`), compared with the stage `before`."""
+def stage_record(stage: FederatedStage, split: ParamSplit, names: list[str], peak: int,
+                 before: FederatedStage | None) -> StageRecord:
+    """The record of a finished `stage` (clients `names`, peak memory `peak`), compared with the stage `before`."""
     data, task = stage.data, stage.task
     primary = task.primary
     accuracy = {s: stage.client_metrics[s][primary].numpy() for s in SPLITS}
     metrics = {k: v for s in SPLITS for k, v in final_evaluation(stage, s).items()}
-    report = split.report()
+    sizes = split.report()
     shared = [p for n, p in stage.model.named_parameters() if n in set(stage.shared_names)]
     memory = {"shared_bytes": sum(p.numel() * p.element_size() for p in shared),
               "shared_params": sum(p.numel() for p in shared),
-              "personal_bytes_per_client": report["personal_bytes_per_client"],
-              "personal_params_per_client": report["personal_params_per_client"],
+              "personal_bytes_per_client": sizes["personal_bytes_per_client"],
+              "personal_params_per_client": sizes["personal_params_per_client"],
               "personal_bank_bytes": stage.bank.nbytes(),
               "comm_bytes_per_round": float(np.mean(stage.comm_bytes)) if stage.comm_bytes else 0.0,
               "peak_memory_bytes": peak, "rounds": stage.n_rounds}
@@ -59,7 +59,7 @@ def stage_report(stage: FederatedStage, split: ParamSplit, names: list[str], pea
             change = sign * (accuracy[s] - previous[s])
             metrics[f"{s}_{primary}_frac_better"] = float(np.nanmean(change > 0))
             metrics[f"{s}_{primary}_frac_worse"] = float(np.nanmean(change < 0))
-    return StageReport(accuracy, metrics, memory, clients)
+    return StageRecord(accuracy, metrics, memory, clients)
 
 
 def final_evaluation(stage: FederatedStage, split: str) -> dict[str, float]:

@@ -286,10 +286,11 @@ class FederatedStage(L.LightningModule):
         if distributed():
             loss, metric, steps = self.share_round(clients, mine, aggregate, info, stateful, [loss, metric, steps])
         pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
-        self.check_finite(round_idx, loss / max(steps, 1.0), pseudo_grad)
+        train_loss = loss / max(steps, 1.0)
+        self.check_finite(round_idx, train_loss, pseudo_grad)
         self.server_step(pseudo_grad)
         up = aggregate.upload_bytes
-        return {"train_loss": loss / max(steps, 1.0), f"train_{self.task.train_metric}": metric / max(steps, 1.0),
+        return {"train_loss": train_loss, f"train_{self.task.train_metric}": metric / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
 

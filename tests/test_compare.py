@@ -1,5 +1,6 @@
 """`fedpilot compare`: a set of pipelines over seeds -> one table (mean and p10 of per-client test accuracy, mean
-and sd over seeds, paired differences with the baseline) on stdout and in MLflow, with every seed's run linked."""
+and sd over seeds, paired differences with the baseline) on stdout and in MLflow, with every seed's run linked; each
+client's change against the baseline on every seed, the clients helped / hurt on every seed, and the report."""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
 from fedpilot.compare import format_table, summarize
-from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from fedpilot.report import REPORT_ARTIFACT, build, clients_frame
+from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
 
 TWO_STAGES = {**SMALL, "tracking": {"system_metrics": False, "plots": False},
               "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}]}
+K2 = {key: value for key, value in TWO_STAGES.items() if key != "dataset"} | {
+    "defaults": [{"dataset": "digits-k2"}, {"model": "mlp"}, "_self_"]}  # digits-k2's 50 clients, 2 rounds a stage
 
 
-def write_set(folder, **changes) -> str:
-    write_pipeline(folder, {**TWO_STAGES, "name": "base"}, "base.yaml")
-    other = {**TWO_STAGES, "name": "other", "stages": [TWO_STAGES["stages"][0],
-                                                       {**TWO_STAGES["stages"][1], "algorithm": "fedsim"}]}
+def write_set(folder, spec: dict = TWO_STAGES, **changes) -> str:
+    write_pipeline(folder, {**spec, "name": "base"}, "base.yaml")
+    other = {**spec, "name": "other", "stages": [spec["stages"][0], {**spec["stages"][1], "algorithm": "fedsim"}]}
     write_pipeline(folder, other, "other.yaml")
     comparison = {"name": "pair", "baseline": "base", "seeds": 2, "pipelines": ["base.yaml", "other.yaml"], **changes}
     (folder / "pair.yaml").write_text(yaml.safe_dump(comparison))
@@ -30,22 +35,23 @@ def write_set(folder, **changes) -> str:
 
 
 def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(workdir):
-    code, output = cli("compare", write_set(workdir))
+    code, output = cli("compare", write_set(workdir, K2), "--seeds", "3")
     assert code == 0, output
     client = MlflowClient()
     run = client.get_run(run_id_of(output))
     assert run.data.tags["fedpilot.compare"] == "pair" and run.info.status == "FINISHED"
-    finals = {}
+    finals, last = {}, {}
     for name in ("base", "other"):
-        for seed in (0, 1):
+        for seed in (0, 1, 2):
             child = client.get_run(run.data.tags[f"run.{name}.{seed}"])
             assert child.data.tags["mlflow.parentRunId"] == run.info.run_id  # nested: linked in the UI
             assert child.data.params["seed"] == str(seed)
             finals[name, seed] = {s: child.data.metrics[f"final_{s}"] for s in ("test_acc_mean", "test_acc_p10")}
+            last[name, seed] = clients_frame(client, runs_of(client, child.info.run_id)[-1].info.run_id)
     metrics = run.data.metrics
     for score in ("test_acc_mean", "test_acc_p10"):
-        other = np.array([finals["other", s][score] for s in (0, 1)])
-        diffs = other - np.array([finals["base", s][score] for s in (0, 1)])
+        other = np.array([finals["other", s][score] for s in (0, 1, 2)])
+        diffs = other - np.array([finals["base", s][score] for s in (0, 1, 2)])
         assert metrics[f"other.{score}.mean"] == pytest.approx(other.mean())
         assert metrics[f"other.{score}.sd"] == pytest.approx(other.std(ddof=1))
         assert metrics[f"other.{score}.diff_mean"] == pytest.approx(diffs.mean())
@@ -58,6 +64,29 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
     artifacts = client.download_artifacts(run.info.run_id, "comparison.json", str(workdir))
     recorded = json.loads(Path(artifacts).read_text())
     assert recorded["runs"]["other"]["1"] == run.data.tags["run.other.1"]
+    # per client: the last stage's test accuracy minus the baseline's, by name, on each seed
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, CHANGES_TABLE, str(workdir))).read_text())
+    changes = pd.DataFrame(table["data"], columns=table["columns"])
+    assert table["columns"] == ["client", "pipeline", "seed", "change"] and set(changes["pipeline"]) == {"other"}
+    for seed in (0, 1, 2):
+        base, other = (last[name, seed].set_index("name")["test_acc"] for name in ("base", "other"))
+        assert len(base) == 50
+        recorded = changes[changes["seed"] == seed].set_index("client")["change"]
+        assert recorded.sort_index().to_numpy() == pytest.approx((other - base).sort_index().to_numpy(), abs=1e-5)
+    counts = {k: metrics[f"other/clients_{k}"] for k in ("helped_every_seed", "hurt_every_seed", "mixed")}
+    assert counts == seed_counts(changes, ["other"], 3, higher=True)["other"]
+    assert sum(counts.values()) == len(every_seed(changes, 3)) > 0
+    assert "dataset.seed is unset" in output  # each seed draws its own shards: say that a name is other data
+    # the comparison's report: the table, the clients sorted by mean change with their band, the counts
+    page = Path(client.download_artifacts(run.info.run_id, REPORT_ARTIFACT, str(workdir))).read_text()
+    figure = (f"other: {counts['helped_every_seed']:.0f} helped on every seed, {counts['hurt_every_seed']:.0f} hurt "
+              f"on every seed, {counts['mixed']:.0f} mixed")
+    assert figure in page and "min-max over seeds" in page and "dataset.seed is unset" in page
+    assert cli("report", run.info.run_id, "-o", str(workdir / "pair.html"))[0] == 0
+    assert figure in (workdir / "pair.html").read_text()
+    # a pipeline's report: the change of each client in its second stage, as a violin
+    pipeline_page = build(client, [run.data.tags["run.other.2"]])
+    assert "Change per client by stage" in pipeline_page and '"type":"violin"' in pipeline_page
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -72,6 +101,29 @@ def test_bad_sets_exit_2_naming_the_key_and_record_nothing(workdir, changes, mes
     assert code == 2 and "error: " in output
     assert re.search(message, output), output
     assert not (workdir / "mlflow.db").exists() or not MlflowClient().search_experiments(filter_string="name = 'pair'")
+
+
+def test_clients_helped_on_every_seed_hurt_on_every_seed_or_mixed():
+    """By name across seeds: a tie on one seed makes a client mixed, one missing on a seed is not counted, and
+    for an error (lower is better) helped and hurt trade places; the baseline gets no rows."""
+    values = {"base": {s: {"a": 0.5, "b": 0.5, "c": 0.5, "d": 0.5, "e": 0.5, "f": 0.5} for s in (0, 1, 2)},
+              "p": {0: {"a": 0.75, "b": 0.25, "c": 0.75, "d": 0.75, "e": 1.0, "f": 1.0},
+                    1: {"a": 1.0, "b": 0.25, "c": 0.25, "d": 0.5, "e": 1.0, "f": 1.0},
+                    2: {"a": 0.625, "b": 0.375, "c": 0.75, "d": 0.75, "e": 0.875}}}
+    changes = client_changes(values, "base")
+    assert list(changes.columns) == ["client", "pipeline", "seed", "change"] and set(changes["pipeline"]) == {"p"}
+    assert changes.set_index(["client", "seed"])["change"][("a", 1)] == 0.5 and len(changes) == 17
+    assert seed_counts(changes, ["p"], 3, higher=True)["p"] == {"helped_every_seed": 2, "hurt_every_seed": 1,
+                                                                "mixed": 2}
+    assert seed_counts(changes, ["p"], 3, higher=False)["p"] == {"helped_every_seed": 1, "hurt_every_seed": 2,
+                                                                 "mixed": 2}
+    bands = every_seed(changes, 3)
+    assert list(bands["client"]) == ["b", "c", "d", "a", "e"]  # sorted by mean change; f is not on every seed
+    assert bands.set_index("client").loc["c", ["min", "max"]].tolist() == [-0.25, 0.25]
+    values["p"][2]["b"] = 0.5  # b ties on seed 2: no longer hurt on every seed
+    assert seed_counts(client_changes(values, "base"), ["p"], 3, higher=True)["p"]["hurt_every_seed"] == 0
+    assert "unset" in federation_note({"p": {0: None, 1: None}})
+    assert "dataset.seed=0 on every seed" in federation_note({"p": {0: 0, 1: 0}, "q": {0: 0, 1: 0}})
 
 
 def test_the_table_keeps_its_columns_apart_and_counts_ties():
@@ -89,3 +141,8 @@ def test_the_table_keeps_its_columns_apart_and_counts_ties():
                                           "+0.0000 ± 0.0808 (1 better, 1 worse)", "0.7857 ± 0.1010",
                                           "-0.0714 ± 0.1010 (0 better, 1 worse)"]
     assert re.split(r"\s{2,}", base) == ["base", "0.8571 ± 0.0808", "0.8571 ± 0.0000"]
+    for seed, value in ((0, 0.5), (1, 0.75)):  # a score only one pipeline recorded: a column of its own
+        scores["base"][seed]["novel_test_acc_mean"] = value
+    header, base, other = format_table(summarize(scores, "base"), "base", 2).splitlines()[1:]
+    assert header.split()[-1] == "novel_test_acc_mean" and base.endswith("0.6250 ± 0.1768")
+    assert re.split(r"\s{2,}", other)[-1] == "-0.0714 ± 0.1010 (0 better, 1 worse)"

@@ -22,14 +22,18 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+from fedpilot.client_effects import participating
 from fedpilot.report import (
     REPORT_ARTIFACT,
     PipelineRun,
+    Stage,
+    change_figure,
     human_bytes,
     labelled,
     load_run,
     primary_metric,
     short_keys,
+    summary_table,
     table_figure,
 )
 from fedpilot.tracking import local_artifact, table_order
@@ -56,6 +60,31 @@ def test_report_table_sorts_by_each_column_and_sizes_read_as_bytes():
     assert by_label["finetune ↓"] == [["b", "a", "c"], ["1", "0.5", "0.25"]]
     assert by_label["finetune ↑"][0] == ["c", "a", "b"]
     assert [human_bytes(n) for n in (512, 1536, 5 * 2**20, 3 * 2**30)] == ["512 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
+
+
+def test_report_shows_each_stages_change_per_client_and_the_novel_and_selected_numbers_where_recorded():
+    """The violin of a stage holds its participating clients' change against the stage before (novel rows left
+    out); the stage table gains the novel clients, the gap and the selected models only where a stage recorded them."""
+    table = pd.DataFrame({"client": [0, 1, 2, 3], "name": ["a", "b", "c", "n"], "test_acc": [0.5, 0.75, 1.0, 0.25],
+                          "previous_test_acc": [0.25, 1.0, 1.0, 0.0], "novel": [False, False, False, True]})
+    clients = participating(table)
+    assert list(clients["name"]) == ["a", "b", "c"] and participating(table.drop(columns="novel")).equals(
+        table.drop(columns="novel"))
+    first = {"test_acc_mean": 0.5, "test_acc_p10": 0.25}
+    last = {**first, "novel_test_acc_mean": 0.375, "novel_test_acc_p10": 0.125, "participation_gap_acc_mean": 0.125,
+            "selected_test_acc_mean": 0.875, "selected_test_acc_p10": 0.5, "selected_personal_share": 0.25}
+    stages = [Stage("pretrain", "s0", "miss", first, clients.drop(columns="previous_test_acc"), {}),
+              Stage("finetune", "s1", "miss", last, clients, {})]
+    run = PipelineRun("r", "small", "1", stages, "small")
+    violins = change_figure([run]).data
+    assert [v.type for v in violins] == ["violin"] and list(violins[0].y) == [0.25, -0.25, 0.0]
+    shown = summary_table([run]).set_index("stage")
+    assert shown.loc["finetune", ["novel mean", "novel p10", "participation gap", "selected mean", "kept personal"]
+                      ].tolist() == ["0.375", "0.125", "+0.125", "0.875", "25%"]
+    assert shown.loc["pretrain", "novel mean"] == "" and list(shown.columns)[-1] == "peak memory"
+    stages[1].metrics = first
+    assert "novel mean" not in summary_table([run]) and change_figure([PipelineRun("r", "x", "1", stages[:1], "x")]) \
+        is None
 
 
 def test_names_and_table_columns_put_what_differs_first():
@@ -184,7 +213,7 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
             time.sleep(0.5)
         assert frame is not None, driver.find_element("tag name", "body").text[:2000]
         driver.switch_to.frame(frame)
-        assert plots_in(driver, 5) == 5  # CDF, before/after, curves, footprints, the per-client table
+        assert plots_in(driver, 6) == 6  # CDF, before/after, change per stage, curves, footprints, the table
         report_text = driver.find_element("tag name", "body").text
         driver.switch_to.default_content()
         driver.save_screenshot(str(shots / "report-artifact.png"))
@@ -209,11 +238,11 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         assert "View as table" in table_page and table_page.index("name") < table_page.index("test_acc")
 
         driver.get(local_artifact(client.tracking_uri, run_ids[1], REPORT_ARTIFACT).as_uri())  # the run's own, as a file
-        assert plots_in(driver, 5) == 5
+        assert plots_in(driver, 6) == 6
         full_page(driver, shots / "report.png")
 
         driver.get(both.as_uri())
-        assert plots_in(driver, 5) == 5
+        assert plots_in(driver, 6) == 6
         side_by_side = driver.find_element("tag name", "body").text
         full_page(driver, shots / "report-side-by-side.png")
         assert f"fedpilot report: {names[0]} vs {names[1]}" in side_by_side

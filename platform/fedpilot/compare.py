@@ -16,10 +16,18 @@ paired difference with the baseline on the same seed (mean, sd, and the seeds on
 worse; the others are ties).
 Every pipeline run is nested under the comparison's run, which records the table (comparison.txt), the values
 of every run (comparison.json), the summary as metrics and each run's id as a tag `run.<pipeline>.<seed>`.
+Where the runs record them, the table gains the novel clients' and the selected models' mean (mean ± sd over seeds).
+
+Per client (by name), each pipeline's change against the baseline on each seed goes to the table
+`clients_across_seeds.json` (client, pipeline, seed, change), and the clients helped on every seed, hurt on every
+seed and neither to `<pipeline>/clients_helped_every_seed`, `_hurt_every_seed` and `<pipeline>/clients_mixed`
+(fedpilot.client_effects); the comparison's `report.html` draws them. Unless the set fixes `dataset.seed`, each
+seed is also another federation, and a client's name other data: the report says which.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,19 +36,26 @@ from typing import Any
 import numpy as np
 from pydantic import Field, ValidationError, field_validator
 
+from fedpilot.client_effects import CHANGES_TABLE, client_changes, federation_note, participating, seed_counts
 from fedpilot.errors import SpecError, from_validation, within
-from fedpilot.metric_names import HEADLINE_STATS
+from fedpilot.metric_names import HEADLINE_STATS, NOVEL, SELECTED, higher_is_better, metric_label
 from fedpilot.names import check_name
 from fedpilot.pipeline.checks import prepare
 from fedpilot.pipeline.runner import PipelineRunner
+from fedpilot.report import COMPARE_TAG, clients_frame, log_report
 from fedpilot.schema import Strict
 from fedpilot.settings import check_cache, check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec, load_pipeline, read_user_yaml
 from fedpilot.tracking import Tracker
 
-SCORES = tuple(f"test_acc_{stat}" for stat in HEADLINE_STATS)  # test_acc_mean, test_acc_p10
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
-COMPARE_TAG = "fedpilot.compare"
+
+
+def scores_of(metric: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The scores of a run by its task's primary `metric`: the headline ones (test mean and p10, compared with the
+    baseline) and those shown where recorded (the novel clients' mean, the selected models' mean)."""
+    return (tuple(f"test_{metric}_{stat}" for stat in HEADLINE_STATS),
+            (f"{NOVEL}_test_{metric}_mean", f"{SELECTED}_test_{metric}_mean"))
 
 
 class ComparisonSpec(Strict):
@@ -109,6 +124,9 @@ class ComparisonResult:
     table: str
     scores: dict[str, dict[int, dict[str, float]]]  # pipeline -> seed -> score -> value
     runs: dict[str, dict[int, str]]  # pipeline -> seed -> its pipeline run id
+    counts: dict[str, dict[str, int]]  # non-baseline pipeline -> clients helped / hurt on every seed, mixed
+    tracking_uri: str
+    experiment_id: str
 
 
 def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, PipelineSpec]],
@@ -121,43 +139,76 @@ def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipeli
     tracker.log_params(run_id, {"seeds": comparison.seed_list(), "baseline": comparison.baseline,
                                 "pipelines": list(specs), "overrides": comparison.overrides})
     scores: dict[str, dict[int, dict[str, float]]] = {name: {} for name in specs}
+    values: dict[str, dict[int, dict[str, float]]] = {name: {} for name in specs}  # per-client test values
     runs: dict[str, dict[int, str]] = {name: {} for name in specs}
+    seeds, metric = comparison.seed_list(), "acc"
     try:
-        for seed in comparison.seed_list():
+        for seed in seeds:
             for name, by_seed in specs.items():
                 runner = PipelineRunner(by_seed[seed], cache_dir=cache_dir, progress=progress)
+                metric = runner.task.primary
                 result = runner.run(parent=run_id, tags={COMPARE_TAG: comparison.name, "fedpilot.seed": str(seed)})
-                scores[name][seed] = {s: float(result.stages[-1].metrics[s]) for s in SCORES}
+                last = result.stages[-1].run_id  # what the comparison scores: the pipeline's last stage
+                scores[name][seed] = run_scores(tracker.client.get_run(last).data.metrics, metric)
+                values[name][seed] = client_values(tracker.client, last, metric)
                 runs[name][seed] = result.run_id
                 tracker.set_tags(run_id, {f"run.{name}.{seed}": result.run_id})
                 echo(f"seed {seed} {name}: " + ", ".join(f"{s}={v:.4f}" for s, v in scores[name][seed].items()))
-        summary = summarize(scores, comparison.baseline)
-        table = format_table(summary, comparison.baseline, len(comparison.seed_list()))
+        higher = higher_is_better(metric)
+        summary = summarize(scores, comparison.baseline, higher)
+        changes = client_changes(values, comparison.baseline)
+        counts = seed_counts(changes, [n for n in specs if n != comparison.baseline], len(seeds), higher)
+        federation = federation_note({n: {s: spec.dataset.seed for s, spec in by_seed.items()}
+                                      for n, by_seed in specs.items()})
+        table = "\n\n".join([format_table(summary, comparison.baseline, len(seeds), metric),
+                              format_counts(counts, comparison.baseline, len(seeds), metric),
+                              textwrap.fill(federation, 118)])
         tracker.log_metrics(run_id, {f"{name}.{key}": value for name, row in summary.items()
                                      for key, value in row.items()})
+        tracker.log_metrics(run_id, {f"{name}/clients_{key}": n for name, row in counts.items()
+                                     for key, n in row.items()})
+        tracker.client.log_table(run_id, changes.to_dict(orient="list"), CHANGES_TABLE)
         tracker.client.log_text(run_id, table, "comparison.txt")
-        tracker.client.log_dict(run_id, {"baseline": comparison.baseline, "scores": scores, "runs": runs,
-                                         "summary": summary}, "comparison.json")
+        tracker.client.log_dict(run_id, {"baseline": comparison.baseline, "metric": metric, "seeds": seeds,
+                                         "federation": federation, "scores": scores, "runs": runs,
+                                         "summary": summary, "counts": counts}, "comparison.json")
+        log_report(tracker.client, run_id)
         tracker.finish(run_id)
     except BaseException as err:
         tracker.fail([run_id], err)
         raise
-    return ComparisonResult(run_id, table, scores, runs)
+    return ComparisonResult(run_id, table, scores, runs, counts, tracker.uri, tracker.experiment_id)
 
 
-def summarize(scores: dict[str, dict[int, dict[str, float]]], baseline: str) -> dict[str, dict[str, float]]:
-    """Per pipeline and score: mean and sd over seeds, and the paired difference with the baseline (mean, sd, the
-    fractions of seeds on which the pipeline is better and worse; the rest are ties)."""
+def run_scores(metrics: dict[str, float], metric: str) -> dict[str, float]:
+    """A stage run's scores (scores_of): the headline ones, and the others it recorded."""
+    headline, extra = scores_of(metric)
+    return {s: float(metrics[s]) for s in headline} | {s: float(metrics[s]) for s in extra if s in metrics}
+
+
+def client_values(client: Any, run_id: str, metric: str) -> dict[str, float]:
+    """Each participating client's test `metric` in a stage run's per-client table, by the client's name."""
+    frame = participating(clients_frame(client, run_id))
+    return dict(zip(frame["name"].astype(str), frame[f"test_{metric}"].astype(float), strict=True))
+
+
+def summarize(scores: dict[str, dict[int, dict[str, float]]], baseline: str,
+              higher: bool = True) -> dict[str, dict[str, float]]:
+    """Per pipeline and score it has on every seed: mean and sd over seeds, and where the baseline has it too, the
+    paired difference (mean, sd, the fractions of seeds on which the pipeline is better and worse, `higher` saying
+    which way is better; the rest are ties)."""
     summary = {}
     for name, by_seed in scores.items():
         seeds = sorted(by_seed)
         row: dict[str, float] = {}
-        for score in SCORES:
+        for score in [s for s in by_seed[seeds[0]] if all(s in by_seed[seed] for seed in seeds)]:
             values = np.array([by_seed[s][score] for s in seeds])
-            diffs = values - np.array([scores[baseline][s][score] for s in seeds])
-            row.update({f"{score}.mean": float(values.mean()), f"{score}.sd": _sd(values),
-                        f"{score}.diff_mean": float(diffs.mean()), f"{score}.diff_sd": _sd(diffs),
-                        f"{score}.better": float((diffs > 0).mean()), f"{score}.worse": float((diffs < 0).mean())})
+            row.update({f"{score}.mean": float(values.mean()), f"{score}.sd": _sd(values)})
+            if all(score in scores[baseline].get(s, {}) for s in seeds):
+                diffs = values - np.array([scores[baseline][s][score] for s in seeds])
+                gains = diffs if higher else -diffs
+                row.update({f"{score}.diff_mean": float(diffs.mean()), f"{score}.diff_sd": _sd(diffs),
+                            f"{score}.better": float((gains > 0).mean()), f"{score}.worse": float((gains < 0).mean())})
         summary[name] = row
     return summary
 
@@ -167,23 +218,42 @@ def _sd(values: np.ndarray) -> float:
     return float(values.std(ddof=1)) if len(values) > 1 else float("nan")
 
 
-def format_table(summary: dict[str, dict[str, Any]], baseline: str, seeds: int) -> str:
-    """The comparison as text: per pipeline, mean +- sd over seeds of each score and of its difference with the
-    baseline, with the numbers of seeds on which it is better and worse (the others are ties)."""
-    rows = [["pipeline", *[cell for s in SCORES for cell in (s, "vs baseline")]]]
+def format_table(summary: dict[str, dict[str, Any]], baseline: str, seeds: int, metric: str = "acc") -> str:
+    """The comparison as text: per pipeline, mean +- sd over seeds of each headline score and of its difference with
+    the baseline, with the numbers of seeds on which it is better and worse (the others are ties); then mean +- sd
+    of the other scores any pipeline recorded (novel clients, selected models)."""
+    headline, extra = scores_of(metric)
+    extra = tuple(s for s in extra if any(f"{s}.mean" in row for row in summary.values()))
+    rows = [["pipeline", *[cell for s in headline for cell in (s, "vs baseline")], *extra]]
     for name, row in summary.items():
         cells = [name]
-        for s in SCORES:
+        for s in headline:
             cells.append(_pm(row[f"{s}.mean"], row[f"{s}.sd"]))
             cells.append("" if name == baseline else
                          f"{_pm(row[f'{s}.diff_mean'], row[f'{s}.diff_sd'], sign=True)} "
                          f"({round(row[f'{s}.better'] * seeds)} better, {round(row[f'{s}.worse'] * seeds)} worse)")
+        cells += [_pm(row[f"{s}.mean"], row[f"{s}.sd"]) if f"{s}.mean" in row else "" for s in extra]
         rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"per-client test accuracy of each pipeline's last stage, {seeds} seed(s); baseline {baseline}"]
-    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-              .rstrip() for r in rows]
+    lines = [f"per-client test {metric_label(metric)} of each pipeline's last stage, {seeds} seed(s); "
+             f"baseline {baseline}", *_aligned(rows)]
     return "\n".join(lines)
+
+
+def format_counts(counts: dict[str, dict[str, int]], baseline: str, seeds: int, metric: str = "acc") -> str:
+    """Per pipeline, its clients (by name, seen on every seed) better than the baseline on every seed, worse on
+    every seed, and neither."""
+    rows = [["pipeline", "helped every seed", "hurt every seed", "mixed"]]
+    rows += [[name, *(str(row[k]) for k in ("helped_every_seed", "hurt_every_seed", "mixed"))]
+             for name, row in counts.items()]
+    head = f"clients whose test {metric_label(metric)} is better / worse than with {baseline} on each of {seeds} seed(s)"
+    return "\n".join([head, *_aligned(rows)])
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Text rows in columns two spaces apart: the first left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            .rstrip() for r in rows]
 
 
 def _pm(mean: float, sd: float, sign: bool = False) -> str:

@@ -1,6 +1,9 @@
 """The report a researcher opens first: one HTML page per pipeline run (its `report.html` artifact), or several runs
-side by side (`fedpilot report RUN_ID ...`): per-client CDFs, each client before and after a stage, the curves, the
-memory and communication footprints, and a sortable per-client table.
+side by side (`fedpilot report RUN_ID ...`): per-client CDFs, each client before and after a stage, the change per
+client of each stage, the curves, the memory and communication footprints, and a sortable per-client table; the
+stage table adds the novel clients and the per-client model choice where recorded. A comparison's run
+(`fedpilot compare`) has its own page: its table and, per pipeline, each client's change against the baseline over
+the seeds (fedpilot.client_effects).
 
 Built only from what the runs recorded in MLflow, with plotly. The page carries plotly.js itself, so it opens offline
 as a file and inside MLflow's artifact view (which shows an HTML artifact without its neighbouring files).
@@ -26,10 +29,14 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed, participating
 from fedpilot.errors import SpecError
 from fedpilot.metric_names import (
     FOOTPRINT_LABELS,
     HEADLINE_STATS,
+    NOVEL,
+    SELECTED,
+    SELECTED_SHARE,
     TABLE_STATS,
     TASK_METRICS,
     footprint_label,
@@ -39,6 +46,7 @@ from fedpilot.metric_names import (
 from fedpilot.tracking import CACHE_SOURCE_TAG, CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
 
 REPORT_ARTIFACT = "report.html"
+COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipeline) and each of its pipeline runs
 # The per-client metrics any task records with their whole distribution, by name
 DISTRIBUTED = sorted({m for metrics in TASK_METRICS.values() for m, whole in metrics.items() if whole})
 COLORS = qualitative.Plotly
@@ -73,7 +81,7 @@ class Stage:
     run_id: str
     cache: str
     metrics: dict[str, float]  # the stage run's latest values
-    clients: pd.DataFrame  # its per-client table, one row per client in client order
+    clients: pd.DataFrame  # its per-client table, one row per participating client in client order (no novel ones)
     curves: dict[str, pd.Series]  # metric -> values by round within the stage
 
 
@@ -90,12 +98,17 @@ class PipelineRun:
         return primary_metric(self.stages[-1].metrics)
 
 
-def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
-    """A finished (or partly finished) pipeline run and its stage runs, newest run per stage index."""
+def _get_run(client: MlflowClient, run_id: str):
+    """The MLflow run `run_id`, or one line saying there is none."""
     try:
-        run = client.get_run(run_id)
+        return client.get_run(run_id)
     except Exception as err:  # MlflowException for an unknown id
         raise SpecError("RUN_ID", run_id, f"no such run ({type(err).__name__})") from None
+
+
+def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
+    """A finished (or partly finished) pipeline run and its stage runs, newest run per stage index."""
+    run = _get_run(client, run_id)
     if PIPELINE_TAG not in run.data.tags:
         raise SpecError("RUN_ID", run_id, "not a fedpilot pipeline run (tag fedpilot.pipeline)")
     children = client.search_runs([run.info.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{run_id}'",
@@ -154,7 +167,7 @@ def _stage(client: MlflowClient, run) -> Stage:
         if len(series):
             curves[key] = series
     return Stage(run.data.tags[STAGE_TAG], run_id, run.data.tags.get(CACHE_TAG, ""), dict(metrics),
-                 _clients(client, run_id), curves)
+                 participating(clients_frame(client, run_id)), curves)
 
 
 def _history(client: MlflowClient, run_id: str | None, key: str) -> pd.Series:
@@ -166,13 +179,19 @@ def _history(client: MlflowClient, run_id: str | None, key: str) -> pd.Series:
     return pd.Series({p.step: p.value for p in points}, dtype=float).sort_index()
 
 
-def _clients(client: MlflowClient, run_id: str) -> pd.DataFrame:
-    """The stage's per-client table (empty when the stage did not finish)."""
-    if CLIENTS_TABLE not in {a.path for a in client.list_artifacts(run_id)}:
+def clients_frame(client: MlflowClient, run_id: str) -> pd.DataFrame:
+    """A stage's per-client table, every row (empty when the stage did not finish)."""
+    table = _table(client, run_id, CLIENTS_TABLE)
+    return table.sort_values("client", ignore_index=True) if not table.empty else table
+
+
+def _table(client: MlflowClient, run_id: str, path: str) -> pd.DataFrame:
+    """A table a run logged with MLflow's log_table (empty when it has none)."""
+    if path not in {a.path for a in client.list_artifacts(run_id)}:
         return pd.DataFrame()
     with tempfile.TemporaryDirectory() as tmp:
-        table = json.loads(Path(client.download_artifacts(run_id, CLIENTS_TABLE, tmp)).read_text())
-    return pd.DataFrame(table["data"], columns=table["columns"]).sort_values("client", ignore_index=True)
+        table = json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text())
+    return pd.DataFrame(table["data"], columns=table["columns"])
 
 
 # ---- figures -----------------------------------------------------------------------------------------------------
@@ -281,6 +300,33 @@ def _points(frame: pd.DataFrame, name: str, color: str, legend: bool) -> go.Scat
                       hovertemplate="%{text}<br>before %{x:.3f}, after %{y:.3f}<extra></extra>")
 
 
+def change_figure(runs: list[PipelineRun]) -> go.Figure | None:
+    """Per stage from the second on, the distribution of its clients' change in test metric against the stage
+    before (Pillutla et al., ICML 2022, Fig. 7): a violin with its box and every client as a point; one colour per
+    run when several."""
+    metric = runs[0].metric
+    column, before = f"test_{metric}", f"previous_test_{metric}"
+    fig = go.Figure()
+    for j, run in enumerate(runs):
+        for stage in run.stages:
+            if before not in stage.clients or column not in stage.clients:
+                continue
+            frame = stage.clients.dropna(subset=[column, before])
+            fig.add_trace(go.Violin(
+                x=[stage.name] * len(frame), y=frame[column] - frame[before], text=frame["name"].astype(str),
+                name=run.label if len(runs) > 1 else stage.name, legendgroup=run.run_id,
+                showlegend=len(runs) > 1 and stage is next(s for s in run.stages if before in s.clients),
+                line_color=COLORS[j % len(COLORS)], box_visible=True, meanline_visible=True, points="all",
+                pointpos=0, jitter=0.3, marker={"size": 4, "opacity": 0.6}, spanmode="hard",
+                hovertemplate="%{text}: %{y:+.3f}<extra>" + stage.name + "</extra>"))
+    if not fig.data:
+        return None
+    fig.add_hline(y=0, line={"color": "grey", "width": 1})
+    fig.update_layout(violinmode="group" if len(runs) > 1 else "overlay", showlegend=len(runs) > 1,
+                      xaxis_title="stage", yaxis_title=f"change in test {metric_label(metric)} per client")
+    return _sized(fig, 420)
+
+
 def curves_figure(runs: list[PipelineRun]) -> go.Figure | None:
     """Validation mean and p10 and the training loss over the pipeline's rounds (stages one after another)."""
     keys = [k for k in curve_keys(runs[0].metric) if any(k in s.curves for r in runs for s in r.stages)]
@@ -380,16 +426,34 @@ def stage_cells(metrics: dict[str, float], metric: str) -> dict[str, str]:
     return cells
 
 
+def beyond_cells(metrics: dict[str, float], metric: str) -> dict[str, str]:
+    """What a stage recorded beyond its participating clients, formatted, each only where recorded: the novel
+    clients' test mean and p10 after their adaptation, the participation gap (participating minus novel mean), and
+    with a per-client choice of model the selected test mean and p10 and the share that kept the personal model."""
+    keys = {"novel mean": f"{NOVEL}_test_{metric}_mean", "novel p10": f"{NOVEL}_test_{metric}_p10",
+            "participation gap": f"participation_gap_{metric}_mean", "selected mean": f"{SELECTED}_test_{metric}_mean",
+            "selected p10": f"{SELECTED}_test_{metric}_p10"}
+    cells = {label: f"{metrics[key]:+.3f}" if label == "participation gap" else f"{metrics[key]:.3f}"
+             for label, key in keys.items() if key in metrics}
+    if SELECTED_SHARE in metrics:
+        cells["kept personal"] = f"{metrics[SELECTED_SHARE]:.0%}"
+    return cells
+
+
 def summary_table(runs: list[PipelineRun]) -> pd.DataFrame:
     """Per run and stage: the distribution of the per-client test metric, the shares of clients better and worse
-    than in the stage before, and the measured peak memory."""
-    metric, rows = runs[0].metric, []
+    than in the stage before, the novel clients and the selected models where recorded (beyond_cells), and the
+    measured peak memory."""
+    metric, rows, beyond = runs[0].metric, [], []
     for run in runs:
         for stage in run.stages:
             peak = stage.metrics.get("peak_memory_bytes")
+            extra = beyond_cells(stage.metrics, metric)
+            beyond += [k for k in extra if k not in beyond]
             rows.append({"run": run.label, "stage": stage.name, "cache": stage.cache,
-                         **stage_cells(stage.metrics, metric), "peak memory": human_bytes(peak) if peak else ""})
-    frame = pd.DataFrame(rows)
+                         **stage_cells(stage.metrics, metric), **extra, "peak memory": human_bytes(peak) if peak else ""})
+    columns = ["run", "stage", "cache", *TABLE_STATS, "better", "worse", *beyond, "peak memory"]
+    frame = pd.DataFrame(rows, columns=columns).fillna("")
     return frame.drop(columns="run") if len(runs) == 1 else frame
 
 
@@ -412,16 +476,27 @@ table.summary td:nth-child(-n+2),table.summary th:nth-child(-n+2){text-align:lef
 table.summary tr:nth-child(even){background:#f4f6fa}"""
 
 
+BEYOND_HOW = {"novel mean": " Novel: the clients held out of every round, after the adaptation a newcomer gets; "
+               "participation gap: the participating clients' mean minus theirs.",
+               "selected mean": " Selected: each client with whichever of the global and its personalized model "
+               "scored better on its val split; kept personal: the share that kept its personalized model."}
+
+
 def render(runs: list[PipelineRun], tracking_uri: str = "") -> str:
     """The HTML page of `runs` (one: its own report; several: side by side)."""
     metric = metric_label(runs[0].metric)
+    stages = summary_table(runs)
     sections = [
         ("Per-client test " + metric, "Summary per stage: distribution over clients; better / worse = share of "
-         "clients whose test " + metric + " rose / fell against the stage before.", summary_table(runs)),
+         "clients whose test " + metric + " rose / fell against the stage before." +
+         "".join(how for column, how in BEYOND_HOW.items() if column in stages), stages),
         ("CDF of per-client test " + metric, "Fraction of clients at or below each value: a curve further right is "
          "better; its lower-left part are the clients doing worst.", cdf_figure(runs)),
         ("Each client before and after a stage", "One point per client; above the diagonal it improved. Hover for "
          "its name.", before_after_figure(runs)),
+        ("Change per client by stage", "Each client's test " + metric + " after the stage minus before it: the "
+         "violin is their distribution, the box its quartiles and median, the dashed line its mean, each point a "
+         "client." + ("" if higher_is_better(runs[0].metric) else " Below 0 is better."), change_figure(runs)),
         ("Curves", "Evaluation of every client on its validation split and the training loss, by round.",
          curves_figure(runs)),
         ("Footprints", "Bytes per stage: shared model, one client's personal part, the bank of all personal parts, "
@@ -429,22 +504,123 @@ def render(runs: list[PipelineRun], tracking_uri: str = "") -> str:
         ("Per-client table", "Test " + metric + " of every client after each stage; sort it with the menu.",
          table_figure(client_table(runs))),
     ]
+    runs_line = "; ".join(f"{r.name}: run {r.run_id} (experiment {r.experiment_id})" for r in runs)
+    return _page("fedpilot report: " + " vs ".join(r.name for r in runs), runs_line, tracking_uri, sections)
+
+
+Section = tuple[str, str, "go.Figure | pd.DataFrame | str | None"]  # title, how to read it, content (str: text)
+
+
+def _page(title: str, runs_line: str, tracking_uri: str, sections: list[Section]) -> str:
+    """An HTML page of `sections` (a missing content leaves its section out), with plotly.js once."""
     body, plotly_js = [], True
-    for title, how, content in sections:
+    for heading, how, content in sections:
         if content is None:
             continue
-        if isinstance(content, pd.DataFrame):
+        if isinstance(content, str):
+            shown = f"<pre>{html.escape(content)}</pre>"
+        elif isinstance(content, pd.DataFrame):
             shown = content.to_html(index=False, classes="summary", border=0)
         else:
             shown = content.to_html(full_html=False, include_plotlyjs=plotly_js, config={"displaylogo": False})
             plotly_js = False
-        body.append(f"<h2>{html.escape(title)}</h2><p class='how'>{html.escape(how)}</p>{shown}")
-    title = "fedpilot report: " + " vs ".join(r.name for r in runs)
-    runs_line = "; ".join(f"{html.escape(r.name)}: run {r.run_id} (experiment {r.experiment_id})" for r in runs)
+        body.append(f"<h2>{html.escape(heading)}</h2><p class='how'>{html.escape(how)}</p>{shown}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p class='how'>{runs_line}; tracking {html.escape(_without_secrets(tracking_uri))}</p>{''.join(body)}"
-            "</body></html>")
+            f"<p class='how'>{html.escape(runs_line)}; tracking {html.escape(_without_secrets(tracking_uri))}</p>"
+            f"{''.join(body)}</body></html>")
+
+
+# ---- a comparison's page -----------------------------------------------------------------------------------------
+@dataclass
+class ComparisonRun:
+    run_id: str
+    name: str
+    experiment_id: str
+    record: dict  # its comparison.json: baseline, metric, seeds, federation, scores, runs, summary
+    table: str  # its comparison.txt
+    changes: pd.DataFrame  # its clients_across_seeds.json: client, pipeline, seed, change
+    counts: dict[str, dict[str, int]]  # pipeline -> helped_every_seed / hurt_every_seed / mixed (its metrics)
+
+
+def is_comparison(run) -> bool:
+    """Whether `run` is a comparison's own run (not one of its pipeline runs)."""
+    return COMPARE_TAG in run.data.tags and PIPELINE_TAG not in run.data.tags
+
+
+def load_comparison_run(client: MlflowClient, run) -> ComparisonRun:
+    """A finished comparison's run as its report reads it."""
+    run_id = run.info.run_id
+    paths = {a.path for a in client.list_artifacts(run_id)}
+    if "comparison.json" not in paths:
+        raise SpecError("RUN_ID", run_id, "this comparison has not finished (no comparison.json)")
+    with tempfile.TemporaryDirectory() as tmp:
+        record = json.loads(Path(client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
+        table = Path(client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    metrics = run.data.metrics
+    counts = {p: {k: int(metrics[f"{p}/clients_{k}"]) for k in COUNTS} for p in record["runs"]
+              if f"{p}/clients_{COUNTS[0]}" in metrics}
+    return ComparisonRun(run_id, run.info.run_name, run.info.experiment_id, record, table,
+                         _table(client, run_id, CHANGES_TABLE), counts)
+
+
+def band_figure(comparison: ComparisonRun) -> go.Figure | None:
+    """Per pipeline, its clients (seen on every seed) sorted by their mean change against the baseline, the line
+    their mean and the band the least and the most over the seeds (Pillutla et al., ICML 2022, Fig. 11)."""
+    pipelines = list(comparison.counts)
+    if not pipelines or comparison.changes.empty:
+        return None
+    bands = every_seed(comparison.changes, len(comparison.record["seeds"]))
+    cols = min(2, len(pipelines))
+    rows = -(-len(pipelines) // cols)
+    titles = [f"{p}: {c['helped_every_seed']} helped on every seed, {c['hurt_every_seed']} hurt on every seed, "
+              f"{c['mixed']} mixed" for p, c in comparison.counts.items()]
+    fig = make_subplots(rows, cols, subplot_titles=titles, shared_yaxes="all", vertical_spacing=0.3 / rows)
+    for i, pipeline in enumerate(pipelines):
+        frame, row, col = bands[bands["pipeline"] == pipeline], i // cols + 1, i % cols + 1
+        rank, color = np.arange(1, len(frame) + 1), COLORS[i % len(COLORS)]
+        text = [f"{c}: mean {m:+.3f}, min {lo:+.3f}, max {hi:+.3f}"
+                for c, m, lo, hi in zip(frame["client"], frame["mean"], frame["min"], frame["max"], strict=True)]
+        fig.add_trace(go.Scatter(x=rank, y=frame["max"], mode="lines", line={"width": 0}, showlegend=False,
+                                 hoverinfo="skip"), row, col)
+        fig.add_trace(go.Scatter(x=rank, y=frame["min"], mode="lines", line={"width": 0}, fill="tonexty",
+                                 fillcolor="rgba(99,110,250,0.25)", name="min-max over seeds", showlegend=i == 0,
+                                 hoverinfo="skip"), row, col)
+        fig.add_trace(go.Scatter(x=rank, y=frame["mean"], mode="lines+markers", line_color=color, text=text,
+                                 marker={"size": 4}, name=pipeline, showlegend=False,
+                                 hovertemplate="%{text}<extra>" + pipeline + "</extra>"), row, col)
+        fig.add_hline(y=0, line={"color": "grey", "width": 1}, row=row, col=col)
+        fig.update_xaxes(title_text="clients sorted by mean change", row=row, col=col)
+    metric = metric_label(comparison.record.get("metric", "acc"))
+    fig.update_yaxes(title_text=f"change in test {metric}", col=1)
+    return _sized(fig, 80 + 320 * rows, top=60)
+
+
+def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
+    """Per pipeline, its clients helped on every seed, hurt on every seed, and mixed."""
+    if not comparison.counts:
+        return None
+    return pd.DataFrame([{"pipeline": p, "helped on every seed": c["helped_every_seed"],
+                          "hurt on every seed": c["hurt_every_seed"], "mixed": c["mixed"]}
+                         for p, c in comparison.counts.items()])
+
+
+def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
+    """The HTML page of a comparison: its table, and per pipeline each client's change against the baseline."""
+    record = comparison.record
+    metric, seeds, baseline = metric_label(record.get("metric", "acc")), len(record["seeds"]), record["baseline"]
+    better = "above" if higher_is_better(record.get("metric", "acc")) else "below"
+    sections: list[Section] = [
+        ("Pipelines against " + baseline, f"Each pipeline's last stage over {seeds} seed(s); the paired differences "
+         "are with the baseline on the same seed.", comparison.table),
+        ("Per-client change against " + baseline + " over the seeds", f"Each client (by name) is a point at its "
+         f"mean change in test {metric} over the seeds, sorted; the band spans its least and its most. Helped on "
+         f"every seed: {better} 0 on each; hurt on every seed: the other side on each; mixed: the rest (a tie counts "
+         "as neither). " + record.get("federation", ""), band_figure(comparison)),
+        ("Clients helped and hurt on every seed", "Of the clients seen on every seed.", counts_table(comparison)),
+    ]
+    line = f"{comparison.name}: run {comparison.run_id} (experiment {comparison.experiment_id})"
+    return _page(f"fedpilot comparison: {comparison.name}", line, tracking_uri, sections)
 
 
 def _without_secrets(uri: str) -> str:
@@ -453,7 +629,12 @@ def _without_secrets(uri: str) -> str:
 
 
 def build(client: MlflowClient, run_ids: list[str]) -> str:
-    """The report page of pipeline runs, read from the tracking store."""
+    """The report page of pipeline runs, or of one comparison's run, read from the tracking store."""
+    comparisons = [run for run in (_get_run(client, i) for i in run_ids) if is_comparison(run)]
+    if comparisons and len(run_ids) > 1:
+        raise SpecError("RUN_ID", comparisons[0].info.run_id, "a comparison's run is reported alone")
+    if comparisons:
+        return render_comparison(load_comparison_run(client, comparisons[0]), client.tracking_uri)
     return render(labelled([load_run(client, run_id) for run_id in run_ids]), client.tracking_uri)
 
 

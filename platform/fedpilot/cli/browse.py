@@ -14,12 +14,13 @@ from fedpilot.errors import SpecError, within
 
 def report(
     run_ids: Annotated[list[str], typer.Argument(help="Pipeline run ids (the `run_id:` that `fedpilot run` prints); "
-                                                      "several are shown side by side.")],
+                                                      "several are shown side by side. Or one comparison's run id "
+                                                      "(`fedpilot compare`).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The HTML file to write.")] = Path("report.html"),
 ) -> None:
-    """Write the report of pipeline runs (per-client CDFs, before/after per client, curves, footprints, the
-    per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
-    trials side by side."""
+    """Write the report of pipeline runs (per-client CDFs, before/after and change per client, curves, footprints,
+    the per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
+    trials side by side; or a comparison's (its table, each client's change against the baseline over the seeds)."""
     from fedpilot.settings import check_output, check_tracking
 
     try:
@@ -60,5 +61,8 @@ def ui(
         return
     typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)\nMLflow 3 opens experiments in "
                "its GenAI view: switch to \"Model training\" at the top left once, or open the pages fedpilot run prints")
+    # MLflow's GenAI job execution (LLM judges, prompt optimization) is unused here and would start seven more
+    # processes that each import MLflow; docker-compose.yml turns it off too
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                                "--host", host, "--port", str(port)])

@@ -258,7 +258,9 @@ def compare(
     progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
 ) -> None:
     """Run a named set of pipelines over N seeds; print and record (MLflow) the table of per-client test accuracy
-    (mean, p10; mean and sd over seeds; paired differences with the baseline); ends with run_id."""
+    (mean, p10; mean and sd over seeds; paired differences with the baseline), each client's change against the
+    baseline on each seed and the clients helped / hurt on every seed, and a report (report.html); ends with
+    run_id."""
     from fedpilot.compare import load_comparison, run_comparison
     from fedpilot.pipeline.progress import quiet_lightning
 
@@ -275,4 +277,5 @@ def compare(
     except StageFailed as err:
         fail(err)
     typer.echo("\n" + result.table)
+    typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, report=True))
     typer.echo(f"run_id: {result.run_id}")

@@ -5,6 +5,10 @@ Torch-free, so that validating a search's objective imports no engine. The engin
 here; the spec, tuning, tracking, the report, the command line and comparisons read the records back by it.
 A stage records `{split}_{metric}_{stat}` per evaluation (split: train, val or test), the shares of clients better
 and worse than after the stage before as `{split}_{primary}_frac_better` / `_frac_worse`, and its footprints.
+With `evaluation.novel_clients`, each stage also records the held-out clients' `novel_{split}_{metric}_{stat}` (after
+their adaptation), `novel_global_{split}_{metric}_{stat}` (the global model as it stands) and the participation gap;
+with `evaluation.select: val`, the last stage records `selected_{split}_{metric}_{stat}` and the share of clients that
+kept their personal model.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ FOOTPRINT_LABELS = {
 }
 FOOTPRINTS = tuple(k for k in FOOTPRINT_LABELS if k != "estimated_training_bytes")  # a search may optimize these
 
+# Evaluations beyond the participating clients' personalized models: the prefix of their `{split}_{metric}_{stat}`.
+NOVEL = "novel"  # clients held out of every round, after the adaptation a newcomer gets
+NOVEL_GLOBAL = "novel_global"  # the same clients with the global model as it stands
+GLOBAL = "global"  # participating clients with the global model (the per-client table's columns, for `select`)
+SELECTED = "selected"  # each participating client with the model its val split chose (`evaluation.select: val`)
+SELECTED_SHARE = "selected_personal_share"  # the share of clients that kept their personal model
+
 
 def task_metrics(task: str) -> tuple[str, ...]:
     """The per-client metrics of `task`, its primary one first."""
@@ -52,21 +63,35 @@ def higher_is_better(metric: str) -> bool:
     return metric not in LOWER_IS_BETTER
 
 
-def recorded_metrics(task: str) -> list[str]:
-    """The validation metrics of a stage of `task` a search can optimize, and the footprints."""
-    names = [f"val_{m}_{stat}" for m, whole in TASK_METRICS[task].items() for stat in (STATS if whole else ("weighted",))]
+def split_metrics(task: str, split: str) -> list[str]:
+    """What an evaluation of `split` records for `task`: each distribution metric's STATS, the others' weighted mean."""
+    return [f"{split}_{m}_{stat}" for m, whole in TASK_METRICS[task].items()
+            for stat in (STATS if whole else ("weighted",))]
+
+
+def participation_gap(task: str) -> str:
+    """The participating clients' mean test metric minus the novel clients' (after their adaptation)."""
+    return f"participation_gap_{primary(task)}_mean"
+
+
+def recorded_metrics(task: str, novel: bool = False) -> list[str]:
+    """The validation metrics of a stage of `task` a search can optimize (with `novel`: the held-out clients' too),
+    and the footprints."""
+    names = [*split_metrics(task, "val"), *(split_metrics(task, f"{NOVEL}_val") if novel else [])]
     return [*names, f"val_{primary(task)}_frac_better", f"val_{primary(task)}_frac_worse", *FOOTPRINTS]
 
 
-OBJECTIVE_METRICS = sorted({m for task in TASK_METRICS for m in recorded_metrics(task)})
+OBJECTIVE_METRICS = sorted({m for task in TASK_METRICS for m in recorded_metrics(task, novel=True)})
 _METRICS = {m for metrics in TASK_METRICS.values() for m in metrics}
 
 
 def default_direction(name: str) -> str:
     """How a search optimizes the recorded `name` by default: maximize accuracy and the share of clients better off;
     minimize losses, errors, the share worse off and footprints."""
-    if name.endswith("_frac_better"):
+    if name.endswith("_frac_better") or name == SELECTED_SHARE:
         return "maximize"
+    for prefix in (f"{NOVEL_GLOBAL}_", f"{NOVEL}_", f"{SELECTED}_"):
+        name = name.removeprefix(prefix)
     parts = name.split("_")
     metric = parts[1] if len(parts) > 2 and not name.endswith("_frac_worse") else ""
     return "maximize" if metric in _METRICS and higher_is_better(metric) else "minimize"

@@ -34,6 +34,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from fedpilot import plots
 from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.errors import NoSuchRun, StoreUnavailable
+from fedpilot.metric_names import NOVEL
 from fedpilot.settings import hidden, sqlite_file, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
@@ -278,7 +279,9 @@ class Tracker:
                               CLIENTS_TABLE)
         if not plot:
             return
-        values = np.asarray(clients[f"test_{metric}"], dtype=float)
+        novel = clients.get(NOVEL, [False] * len(clients[f"test_{metric}"]))  # held-out clients' rows: not in plots
+        values = np.asarray([v for v, held_out in zip(clients[f"test_{metric}"], novel, strict=True) if not held_out],
+                            dtype=float)
         before = (previous[0], previous[1]["test"]) if previous else None
         self.client.log_figure(run_id, plots.accuracy_histogram(name, values, before, metric=metric),
                                f"plots/test_{metric}_hist.png")

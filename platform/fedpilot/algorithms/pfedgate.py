@@ -214,6 +214,14 @@ class PFedGate(Algorithm):
                         "upload_density": sent / total, "upload_bytes": sent * element}
         return Upload(shared=local.shared, mask=mask)
 
+    def adapt(self, cohort: Cohort) -> None:
+        """A novel client trains its gating layer alone, on its own budget, with the global model fixed (Chen et al.,
+        ICML 2023, novel clients' participation)."""
+        budgets = self.budgets(cohort)
+        assign(cohort, "gate.budget", budgets)
+        personal = cohort.sgd("personal", lr={"shared": None, "personal": self.p.lr_gate}).personal
+        assign(cohort, "gate.budget", budgets, personal)
+
     def budgets(self, cohort: Cohort) -> torch.Tensor:
         """Every client's s_i [n_clients]: the single s, or drawn from `budgets` by the pipeline's seed."""
         if self.p.budgets is None:

@@ -3,6 +3,8 @@ random augmentations of training batches (kornia), drawn for a whole batch plan 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,13 @@ class ClientData:
                        sizes={k: v.to(device) for k, v in self.sizes.items()},
                        mean=None if self.mean is None else self.mean.to(device),
                        std=None if self.std is None else self.std.to(device))
+
+    def clients(self, ids: Sequence[int] | torch.Tensor) -> ClientData:
+        """The federation restricted to the clients `ids` (client k here is client ids[k]), sharing the samples."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ClientData)}  # a subclass's too
+        return ClientData(**{**fields, "offsets": {k: v[ids.to(v.device)] for k, v in self.offsets.items()},
+                             "sizes": {k: v[ids.to(v.device)] for k, v in self.sizes.items()}})
 
     def nbytes(self) -> int:
         return self.x.numel() * self.x.element_size() + self.y.numel() * self.y.element_size()

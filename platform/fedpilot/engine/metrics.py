@@ -23,3 +23,15 @@ def distribution(values: torch.Tensor, weights: torch.Tensor) -> dict[str, float
         "max": v.max(),
     }
     return {k: float(x) for k, x in stats.items()}
+
+
+def summarize(name: str, scores: dict[str, torch.Tensor], weights: torch.Tensor,
+              distributions: tuple[str, ...]) -> dict[str, float]:
+    """`{name}_{metric}_{stat}` of per-client `scores` (name: a split, or a prefixed one such as novel_test): every
+    statistic for the metrics in `distributions`, the sample-weighted mean for the others."""
+    summary = {}
+    for metric, values in scores.items():
+        stats = distribution(values, weights)
+        shown = stats if metric in distributions else {"weighted": stats.get("weighted")}
+        summary.update({f"{name}_{metric}_{k}": v for k, v in shown.items() if v is not None})
+    return summary

@@ -157,3 +157,10 @@ class Algorithm(ABC):
     @abstractmethod
     def local_update(self, cohort: Cohort) -> Upload:
         """Train the cohort locally (set `cohort.personal` to keep new personal parameters) and say what to send."""
+
+    def adapt(self, cohort: Cohort) -> None:
+        """How clients that never took part (novel clients) adapt before they are evaluated: set `cohort.personal`.
+        Default: local SGD of the personal part from its starting value with the global model fixed, the cohort's
+        local work being the pipeline's fine-tuning recipe; nothing without a personal part."""
+        if cohort.personal:
+            cohort.personal = cohort.sgd("personal").personal

@@ -27,7 +27,8 @@ from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.executor import Executor, Params, plain_forward
 from fedpilot.engine.hooks import RoundResult
-from fedpilot.engine.metrics import distribution
+from fedpilot.engine.metrics import summarize
+from fedpilot.engine.novel import NovelClients, beyond_participants
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
 from fedpilot.errors import Diverged, NothingToTrain, StageFailed
@@ -50,12 +51,15 @@ class FederatedStage(L.LightningModule):
     The model's parameters the `split` names personal live per client in a personal bank; the others are
     shared and stepped by a torch optimizer with the aggregated client update as pseudo-gradient.
     `data` has client-major tensors and per-split `offsets`/`sizes` (engine.data.ClientData); `task`
-    scores the model's outputs (loss and per-client metrics).
+    scores the model's outputs (loss and per-client metrics). At the stage's end, clients held out of training
+    (`novel`) are evaluated with the global model and after their adaptation, and with `select` every client with the
+    global model too (engine.novel).
     """
 
     def __init__(self, model: nn.Module, split: ParamSplit, data: ClientData, algorithm: Algorithm,
                  config: StageConfig, seed: int = 0, stage_index: int = 0, bank: ClientBank | None = None,
-                 task: Task = CLASSIFICATION, name: str | None = None):
+                 task: Task = CLASSIFICATION, name: str | None = None, novel: NovelClients | None = None,
+                 select: bool = False):
         super().__init__()
         self.save_hyperparameters(
             {"config": config.model_dump(), "seed": seed, "stage_index": stage_index, "algorithm": algorithm.name,
@@ -63,6 +67,7 @@ class FederatedStage(L.LightningModule):
         self.automatic_optimization = False
         self.model, self.split, self.data, self.algorithm, self.config = model, split, data, algorithm, config
         self.task, self.seed, self.stage_index = task, seed, stage_index
+        self.novel, self.select = novel, select  # evaluated at the stage's end (engine.novel)
         self.stage_name = name or f"{algorithm.name} (stage {stage_index})"
         params = dict(model.named_parameters())
         self.personal_names = list(split.personal_names)
@@ -137,6 +142,7 @@ class FederatedStage(L.LightningModule):
         last = round_idx + 1 == self.n_rounds
         if last:
             self.evaluate(["val", "test"], round_idx + 1)
+            self.client_metrics.update(beyond_participants(self, ("val", "test"), self.novel, self.select))
         elif (round_idx + 1) % self.config.eval_every == 0:
             self.evaluate(["val"], round_idx + 1, self.evaluation_sample())
         self.round_result = RoundResult(round_idx + 1, MappingProxyType(dict(self.round_log)),
@@ -350,12 +356,8 @@ class FederatedStage(L.LightningModule):
                                       precision=self.config.precision)
             results[split] = {m: v.cpu() for m, v in scores.items()}
             weights = self.data.sizes[split].cpu().double()
-            weights = weights if clients is None else weights[clients]
-            summary = {}
-            for metric, values in results[split].items():
-                stats = distribution(values, weights)
-                shown = stats if metric in self.task.distributions else {"weighted": stats.get("weighted")}
-                summary.update({f"{split}_{metric}_{k}": v for k, v in shown.items() if v is not None})
+            weights = weights if clients is None else weights[clients.cpu()]
+            summary = summarize(split, results[split], weights, self.task.distributions)
             self.round_log.update(summary)
             shown = f"val_{self.task.primary}_mean"
             if split == "val" and shown in summary:

@@ -49,15 +49,17 @@ class StageCache:
 
 
 def stage_key(previous: str, data: FederatedData, spec: PipelineSpec, index: int, split: Any, device: str,
-              code: str) -> str:
+              code: str, beyond: dict[str, Any] | None = None) -> str:
     """The cache key of stage `index`: everything its result depends on (`code`: the code_fingerprint of what runs
-    it), chained to the previous stage's key."""
+    it; `beyond`: its evaluations beyond the participants, held-out clients and selection, when it has any), chained
+    to the previous stage's key."""
     stage = spec.stages[index]
     payload = {"format": CACHE_FORMAT, "code": code, "fedpilot": version("fedpilot"), "previous": previous,
                "data": data.fingerprint, "model": spec.model.model_dump(mode="json"), "seed": spec.seed,
                "index": index, "stage": stage.model_dump(mode="json", exclude=NOT_IN_KEY), "split": split,
                "eval_every": stage.eval_every or spec.evaluation.every,
-               "eval_clients": stage.eval_clients or spec.evaluation.clients, "device": device}
+               "eval_clients": stage.eval_clients or spec.evaluation.clients, "device": device,
+               **({"beyond": beyond} if beyond else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

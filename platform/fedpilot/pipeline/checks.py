@@ -19,11 +19,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data.federated import FederatedData, build_federated_data
 from fedpilot.engine.protocol import Algorithm, Part
 from fedpilot.errors import SpecError, check_memory
-from fedpilot.metric_names import recorded_metrics
+from fedpilot.metric_names import NOVEL, recorded_metrics
 from fedpilot.models.options import MODELS, PRESETS, SCHEMAS, ModelOptions, reads_tokens, token_readers
 from fedpilot.spec import PipelineSpec, StageSpec
 
@@ -166,8 +168,28 @@ class Prepared:
         return model_for(self.spec, self.data)
 
     @cached_property
-    def tensors(self) -> ClientData:
+    def novel(self) -> np.ndarray:
+        """The ids of the clients held out of training (`evaluation.novel_clients`; none without it)."""
+        return held_out_clients(self.data.n_clients, self.spec)
+
+    @cached_property
+    def participants(self) -> np.ndarray:
+        """The ids of the clients that take part in training, in the federation's order."""
+        return np.setdiff1d(np.arange(self.data.n_clients), self.novel)
+
+    @cached_property
+    def all_tensors(self) -> ClientData:
         return client_data(self.data)
+
+    @cached_property
+    def tensors(self) -> ClientData:
+        """The participating clients' data (client i of the engine is the federation's client participants[i])."""
+        return self.all_tensors if not len(self.novel) else self.all_tensors.clients(self.participants)
+
+    @cached_property
+    def novel_tensors(self) -> ClientData | None:
+        """The novel clients' data, None when none is held out."""
+        return self.all_tensors.clients(self.novel) if len(self.novel) else None
 
     @cached_property
     def task(self) -> Task:
@@ -260,8 +282,15 @@ def check_needs(spec: PipelineSpec, i: int, algorithm: Algorithm, split: str | l
 
 def check_objectives_have_data(spec: PipelineSpec, data: FederatedData) -> None:
     """A search whose objective is a validation metric needs a client with a validation sample (dataset.split.val
-    may be 0, or round to 0 on every client)."""
-    if spec.search is None or data.sizes["val"].any():
+    may be 0, or round to 0 on every client); one on the novel clients' validation metrics, a novel client with one."""
+    if spec.search is None:
+        return
+    novel = held_out_clients(data.n_clients, spec)
+    for i, objective in enumerate(spec.search.objective):
+        if objective.metric.startswith(f"{NOVEL}_val_") and not data.sizes["val"][novel].any():
+            raise SpecError(f"search.objective.{i}.metric", objective.metric, f"none of the {len(novel)} novel "
+                            "clients has a validation sample: raise dataset.split.val or evaluation.novel_clients")
+    if data.sizes["val"].any():
         return
     for i, objective in enumerate(spec.search.objective):
         if objective.metric.startswith("val_"):
@@ -269,6 +298,36 @@ def check_objectives_have_data(spec: PipelineSpec, data: FederatedData) -> None:
                             f"(dataset.split.val={spec.dataset.split.val:g}): raise dataset.split.val, or "
                             "optimize a footprint", allowed=[m for m in recorded_metrics(spec.dataset.task)
                                                             if not m.startswith("val_")])
+
+
+NOVEL_STREAM = 2  # the held-out clients' draw, apart from the cohorts' (0) and the evaluation samples' (1)
+
+
+def held_out_clients(n_clients: int, spec: PipelineSpec) -> np.ndarray:
+    """The ids of the clients `evaluation.novel_clients` holds out, sorted: drawn with the pipeline's seed, so the
+    same in every stage, on resume and in every process."""
+    count = spec.evaluation.novel_count(n_clients)
+    rng = np.random.default_rng(np.random.SeedSequence([spec.seed, NOVEL_STREAM]))
+    return np.sort(rng.choice(n_clients, size=count, replace=False)) if count else np.zeros(0, dtype=np.int64)
+
+
+def check_cohorts(spec: PipelineSpec, n_clients: int) -> None:
+    """The clients held out (`evaluation.novel_clients`) leave some to train, and every stage's cohort and evaluation
+    sample fit in the clients that take part."""
+    held_out = spec.evaluation.novel_count(n_clients)
+    if held_out >= n_clients:
+        raise SpecError("evaluation.novel_clients", spec.evaluation.novel_clients, f"holds out {held_out} of the "
+                        f"federation's {n_clients} clients: leave at least one to train")
+    taking_part = n_clients - held_out
+    of = f"the federation has only {n_clients} clients" if not held_out else \
+        f"only {taking_part} of the federation's {n_clients} clients take part ({held_out} held out as novel clients)"
+    for i, stage in enumerate(spec.stages):
+        if stage.clients_per_round is not None and stage.clients_per_round > taking_part:
+            raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round, of)
+        sampled = stage.eval_clients or spec.evaluation.clients
+        if sampled is not None and sampled > taking_part:
+            key = f"stages.{i}.eval_clients" if stage.eval_clients else "evaluation.clients"
+            raise SpecError(key, sampled, of)
 
 
 PLANNED_SAMPLE_BYTES = 32  # a round's batch plan per planned sample: its index, weight, sort key and ordering
@@ -296,16 +355,9 @@ def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
     if here and spec.device == "cuda":
         resolve_device(spec.device)
     data = build_federated_data(spec.dataset, spec.seed, root / "data")
+    check_cohorts(spec, data.n_clients)
     check_objectives_have_data(spec, data)
     check_round_plans(spec, data)
-    for i, stage in enumerate(spec.stages):
-        if stage.clients_per_round is not None and stage.clients_per_round > data.n_clients:
-            raise SpecError(f"stages.{i}.clients_per_round", stage.clients_per_round,
-                            f"the federation has only {data.n_clients} clients")
-        sampled = stage.eval_clients or spec.evaluation.clients
-        if sampled is not None and sampled > data.n_clients:
-            key = f"stages.{i}.eval_clients" if stage.eval_clients else "evaluation.clients"
-            raise SpecError(key, sampled, f"the federation has only {data.n_clients} clients")
     check_model_fits(spec, data)
     algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
     prepared = Prepared(spec, data, algorithms, here)

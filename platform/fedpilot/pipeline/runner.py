@@ -20,6 +20,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.summary import describe
 from fedpilot.engine.accel.memory import PeakMemory
+from fedpilot.engine.novel import NovelClients
 from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.errors import StageFailed
 from fedpilot.models.options import MODELS
@@ -68,6 +69,7 @@ class PipelineRunner:
         self.cache = StageCache(self.root)
         prepared = prepare(spec, self.root)  # every input check, before any run is created
         self.data, self.tensors, self.task = prepared.data, prepared.tensors, prepared.task
+        self.participants, self.novel, self.novel_tensors = prepared.participants, prepared.novel, prepared.novel_tensors
         self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
@@ -152,12 +154,25 @@ class PipelineRunner:
         algorithm.prepare_model(self.model, self.data.feature_shape)
         split = apply_split(self.model, split_spec, dim)
         code = code_fingerprint(algorithm, self.model, MODELS[spec.model.name])  # a builder function's module too
-        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code)
+        novel, select = self._novel_clients(i), spec.evaluation.select == "val" and i == len(spec.stages) - 1
+        beyond = {"novel": [int(c) for c in self.novel], "recipe": novel.local.model_dump(mode="json"),
+                  "cohort": novel.cohort} if novel else {}
+        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code, {**beyond, "select": select}
+                        if novel or select else None)
         config = stage_spec.engine_config(spec.evaluation)
         bank = carry_bank(before, split.personal_names) if before is not None else None
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
-                               stage_spec.name)
+                               stage_spec.name, novel, select)
         return stage, split, key
+
+    def _novel_clients(self, i: int) -> NovelClients | None:
+        """Stage i's held-out clients and how they adapt: the pipeline's fine-tuning recipe (its first `finetune`
+        stage's local work and cohort), else stage i's own."""
+        if self.novel_tensors is None:
+            return None
+        stages = self.spec.stages
+        recipe = next((s for s, a in zip(stages, self.algorithms, strict=True) if a.name == "finetune"), stages[i])
+        return NovelClients(self.novel_tensors, recipe.local, recipe.clients_per_round)
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
         spec, key, before, outcomes, offset = self.spec, "", None, [], 0
@@ -243,13 +258,13 @@ class PipelineRunner:
         """Log a finished stage's report (final metrics, footprints, per-client table, plots) to its run and finish
         it (unless `log` is off: a resumed run already holds it)."""
         name = self.spec.stages[index].name
-        report = stage_record(stage, split, self.data.client_names, peak, before)
+        report = stage_record(stage, split, self.data.client_names, peak, before, self.participants, self.novel)
         if log:
             previous = (self.spec.stages[index - 1].name, {s: before.client_metrics[s][stage.task.primary].numpy()
                                                            for s in SPLITS}) if before is not None else None
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
-                     **{k: v for k, v in report.metrics.items() if "_frac_" in k},
+                     **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
                      **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()}}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,

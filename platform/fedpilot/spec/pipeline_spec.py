@@ -113,10 +113,36 @@ class StageSpec(StageConfig):
 class EvaluationSpec(Strict):
     """Clients are evaluated on their val split every `every` rounds (all of them, or with `clients` a sample of
     that many drawn with the pipeline's seed, the same sample at each evaluation of a stage), and every client on
-    val and test at each stage's end."""
+    val and test at each stage's end.
+
+    `novel_clients` (a count, or a fraction of the federation in (0, 1)) holds that many clients, drawn with the
+    pipeline's seed, out of every round of every stage; each stage's end evaluates them with the global model and
+    after a newcomer's adaptation (Chen et al., ICML 2023, novel clients). `select: val` lets each client keep, at the
+    pipeline's end, whichever of the global and its personalized model scores better on its val split (Pillutla et
+    al., ICML 2022, Sec. C.3: decide per device)."""
 
     every: int = Field(10, ge=1)
     clients: int | None = Field(None, ge=1)
+    novel_clients: int | float | None = None
+    select: Literal["val"] | None = None
+
+    @field_validator("novel_clients", mode="before")
+    @classmethod
+    def _a_count_or_a_fraction(cls, value: Any) -> int | float | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError("a number of clients, or a fraction of the federation in (0, 1)")
+        if isinstance(value, float) and not 0 < value < 1:
+            raise ValueError("a fraction of the federation in (0, 1), or a number of clients")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("at least 1 client (or a fraction of the federation in (0, 1))")
+        return value
+
+    def novel_count(self, n_clients: int) -> int:
+        """How many of `n_clients` are held out (0 without `novel_clients`; a fraction rounds, to at least 1)."""
+        value = self.novel_clients
+        if value is None:
+            return 0
+        return value if isinstance(value, int) else max(1, round(value * n_clients))
 
 
 class TrackingSpec(Strict):
@@ -264,6 +290,8 @@ def _check_search(spec: PipelineSpec) -> None:
         if (isinstance(stage, int) and not -len(names) <= stage < len(names)) or (
                 isinstance(stage, str) and stage not in names):
             raise SpecError(f"search.objective.{i}.stage", stage, "no such stage", allowed=names)
-        if objective.metric not in recorded_metrics(spec.dataset.task):
+        recorded = recorded_metrics(spec.dataset.task, novel=spec.evaluation.novel_clients is not None)
+        if objective.metric not in recorded:
+            held_out = "" if spec.evaluation.novel_clients is not None else " (novel_* needs evaluation.novel_clients)"
             raise SpecError(f"search.objective.{i}.metric", objective.metric, f"not recorded by task "
-                            f"{spec.dataset.task}", allowed=recorded_metrics(spec.dataset.task))
+                            f"{spec.dataset.task}{held_out}", allowed=recorded)

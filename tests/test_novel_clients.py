@@ -140,7 +140,7 @@ def novel_run(tmp_path_factory):
         path = write_pipeline(folder, spec)
         code, output = cli("run", str(path), "--no-progress", "--no-cache")
     assert code == 0, output
-    return SimpleNamespace(spec=load_pipeline(path), runs=runs_of(MlflowClient(uri), run_id_of(output)), sampled=sampled,
+    return SimpleNamespace(spec=load_pipeline(path), output=output, runs=runs_of(MlflowClient(uri), run_id_of(output)), sampled=sampled,
                            client=MlflowClient(uri), folder=folder)
 
 
@@ -180,6 +180,9 @@ def test_every_stage_records_the_novel_distribution_and_the_last_the_selection(n
         assert parent.data.metrics[f"{run.data.tags['fedpilot.stage']}/novel_test_acc_mean"] == \
             metrics["novel_test_acc_mean"]
     assert "selected_test_acc_mean" not in stages[0].data.metrics
+    header, *rows = novel_run.output.split("per-client test accuracy\n")[1].split("\n\n")[0].splitlines()
+    assert "novel mean" in header and "participation gap" in header and "kept personal" in header
+    assert f"{stages[0].data.metrics['novel_test_acc_mean']:.3f}" in rows[0]
     last = stages[-1].data.metrics
     columns = table(stages[-1], novel_run.client, tmp_path)
     kept = [s for s, n in zip(columns["selected"], columns["novel"], strict=True) if not n]

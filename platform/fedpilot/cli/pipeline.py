@@ -133,14 +133,18 @@ def run(
 
 
 def format_outcomes(stages: list, metric: str) -> str:
-    """Per stage, the distribution of the per-client test `metric` (the task's primary one) and the shares of
-    clients better and worse than after the stage before, as a small text table."""
+    """Per stage, the distribution of the per-client test `metric` (the task's primary one), the shares of clients
+    better and worse than after the stage before, and where recorded the novel clients and the selected models, as a
+    small text table."""
     from fedpilot.metric_names import TABLE_STATS, metric_label
     from fedpilot.overview import aligned
-    from fedpilot.report import stage_cells
+    from fedpilot.report import beyond_cells, stage_cells
 
-    rows = [["stage", "cache", *TABLE_STATS, "better", "worse"]]
-    rows += [[o.name, o.cache, *stage_cells(o.metrics, metric).values()] for o in stages]
+    beyond = [beyond_cells(o.metrics, metric) for o in stages]
+    extra = list(dict.fromkeys(k for cells in beyond for k in cells))
+    rows = [["stage", "cache", *TABLE_STATS, "better", "worse", *extra]]
+    rows += [[o.name, o.cache, *stage_cells(o.metrics, metric).values(), *(cells.get(k, "") for k in extra)]
+             for o, cells in zip(stages, beyond, strict=True)]
     return f"per-client test {metric_label(metric)}\n" + "\n".join(aligned(rows, right=tuple(range(1, len(rows[0])))))
 
 

@@ -304,10 +304,12 @@ NOVEL_STREAM = 2  # the held-out clients' draw, apart from the cohorts' (0) and 
 
 
 def held_out_clients(n_clients: int, spec: PipelineSpec) -> np.ndarray:
-    """The ids of the clients `evaluation.novel_clients` holds out, sorted: drawn with the pipeline's seed, so the
-    same in every stage, on resume and in every process."""
+    """The ids of the clients `evaluation.novel_clients` holds out, sorted: drawn with the federation's seed (the
+    dataset's, else the pipeline's), so the same in every stage, on resume, in every process, and on every seed of a
+    comparison that holds the federation fixed (dataset.seed)."""
     count = spec.evaluation.novel_count(n_clients)
-    rng = np.random.default_rng(np.random.SeedSequence([spec.seed, NOVEL_STREAM]))
+    seed = spec.seed if spec.dataset.seed is None else spec.dataset.seed
+    rng = np.random.default_rng(np.random.SeedSequence([seed, NOVEL_STREAM]))
     return np.sort(rng.choice(n_clients, size=count, replace=False)) if count else np.zeros(0, dtype=np.int64)
 
 

@@ -189,3 +189,19 @@ def test_every_stage_records_the_novel_distribution_and_the_last_the_selection(n
     assert last[SELECTED_SHARE] == pytest.approx(kept.count("personal") / len(kept))
     selected = [v for v, n in zip(columns["selected_test_acc"], columns["novel"], strict=True) if not n]
     assert last["selected_test_acc_mean"] == pytest.approx(sum(selected) / len(selected), abs=1e-5)
+
+
+def test_a_stage_from_the_cache_records_the_same_novel_clients_and_selection(novel_run, tmp_path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(novel_run.folder)
+        patch.setenv("MLFLOW_TRACKING_URI", novel_run.client.tracking_uri)
+        patch.setenv("FEDPILOT_CACHE", str(novel_run.folder / "cache"))
+        code, output = cli("run", str(novel_run.folder / "small.yaml"), "--no-progress")
+    assert code == 0, output
+    again = runs_of(novel_run.client, run_id_of(output))
+    beyond = ("novel", "selected", "participation_gap")
+    for first, second in zip(novel_run.runs[1:], again[1:], strict=True):
+        assert second.data.tags["fedpilot.cache"] == "hit"
+        recorded = {k: v for k, v in first.data.metrics.items() if k.startswith(beyond)}
+        assert recorded and {k: v for k, v in second.data.metrics.items() if k.startswith(beyond)} == recorded
+        assert table(second, novel_run.client, tmp_path / "again") == table(first, novel_run.client, tmp_path)

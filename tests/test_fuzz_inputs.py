@@ -82,27 +82,34 @@ KEYS = ["roundz", "hydra", "defaults", "_self_", "name", "lr", "${seed}", "", " 
         "model_extra", "override dataset", "dataset@x", "stages.0", "é"]
 
 
+# The strategies are built once (functools.cache): hypothesis validates a new strategy object on its first draw, and
+# building them anew for every draw took a tenth of the fuzz tests' time; the same objects draw the same inputs.
+@cache
 def ints() -> st.SearchStrategy[int]:
     """Integers at the edges of what libraries take (int32, int64, float64's exact range), small ones, any."""
     return st.one_of(st.sampled_from(INTS), st.integers(-3, 3), st.integers())
 
 
+@cache
 def floats() -> st.SearchStrategy[float]:
     """Floats at the extremes (denormals, huge, inf, nan), near 0 and 1, any."""
     return st.one_of(st.sampled_from(FLOATS), st.floats())
 
 
+@cache
 def texts() -> st.SearchStrategy[str]:
     """Strings that look like numbers or Hydra syntax, unicode and control characters, long ones."""
     long = st.integers(1, 3000).map(lambda n: "y" * n)
     return st.one_of(st.sampled_from(TEXTS), st.text(max_size=20), long)
 
 
+@cache
 def scalars() -> st.SearchStrategy[Any]:
     """Any scalar (and the empty list and mapping)."""
     return st.one_of(st.sampled_from([None, True, False, [], {}]), ints(), floats(), texts())
 
 
+@cache
 def values() -> st.SearchStrategy[Any]:
     """A scalar, or small lists and mappings of them (empty ones included)."""
     return st.recursive(scalars(), lambda inner: st.one_of(
@@ -112,21 +119,38 @@ def values() -> st.SearchStrategy[Any]:
 def like(old: Any) -> st.SearchStrategy[Any]:
     """A value in place of `old`: mostly of its own type at an extreme (these pass the type checks and reach
     the checks behind them: ranges, the data, the model), else anything."""
-    if isinstance(old, bool):
+    return like_shape(shape(old))
+
+
+def shape(value: Any) -> Any:
+    """What `like` depends on, hashable: a scalar's type; a list's item shape ("empty" for an empty list)."""
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind
+    if isinstance(value, list):
+        return ("list", shape(value[0]) if value else "empty")
+    return None
+
+
+@cache
+def like_shape(kind: Any) -> st.SearchStrategy[Any]:
+    """`like` of a value of this shape."""
+    if kind is bool:
         same = st.booleans()
-    elif isinstance(old, int):
+    elif kind is int:
         same = ints()
-    elif isinstance(old, float):
+    elif kind is float:
         same = floats()
-    elif isinstance(old, str):
+    elif kind is str:
         same = texts()
-    elif isinstance(old, list):
-        same = st.lists(like(old[0]) if old else scalars(), max_size=3)
+    elif isinstance(kind, tuple):
+        same = st.lists(scalars() if kind[1] == "empty" else like_shape(kind[1]), max_size=3)
     else:
         return values()
     return st.one_of(same, same, same, values())
 
 
+@cache
 def keys() -> st.SearchStrategy[Any]:
     """Mapping keys a pipeline does not know, YAML keys that are not strings among them."""
     return st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS), st.text(max_size=12), st.integers(),
@@ -218,6 +242,13 @@ def hydra_text(value: Any, quote: bool) -> str:
     return str(value)
 
 
+@cache
+def made_up_keys() -> st.SearchStrategy[str]:
+    """Override keys no spec has: known odd keys, any text, dotted names."""
+    return st.one_of(st.sampled_from(KEYS), st.text(max_size=8),
+                     st.from_regex(r"[a-z_][a-z0-9_]{0,7}(\.[a-z0-9_]{1,7}){0,2}", fullmatch=True))
+
+
 @st.composite
 def override(draw: st.DrawFn, name: str) -> str:
     """One `key=value`: mostly a key of the pipeline's spec with a value like its own, else a config group's
@@ -234,8 +265,7 @@ def override(draw: st.DrawFn, name: str) -> str:
         key = draw(st.sampled_from(sorted(groups)))
         value = draw(st.one_of(st.sampled_from(groups[key]), st.sampled_from(groups[key]), scalars()))
     else:
-        key = draw(st.one_of(st.sampled_from(KEYS), st.text(max_size=8),
-                             st.from_regex(r"[a-z_][a-z0-9_]{0,7}(\.[a-z0-9_]{1,7}){0,2}", fullmatch=True)))
+        key = draw(made_up_keys())
         value = draw(values())
     text = hydra_text(value, quote=draw(st.sampled_from([True, True, True, False])))
     prefix = draw(st.sampled_from(["", "", "", "", "", "+", "++", "~"]))

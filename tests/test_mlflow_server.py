@@ -47,12 +47,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 9
 
 @contextmanager
 def running_mlflow_server(store: Path, log: Path, *options: str) -> Iterator[str]:
-    """`mlflow server` on a free local port over the SQLite store `store`, its output in `log`; stopped by its PID."""
+    """`mlflow server` on a free local port over the SQLite store `store`, its output in `log`; stopped by its PID.
+    Without MLflow's GenAI job execution, as docker-compose.yml runs it: else the server starts seven more processes
+    that each import MLflow, and they took the cores from the rest of the suite."""
     url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}",
                                  *options, "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--workers", "1"],
-                                cwd=store.parent, stdout=out, stderr=subprocess.STDOUT)
+                                cwd=store.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, proc, log)
         yield url

@@ -15,7 +15,7 @@ import yaml
 from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
-from fedpilot.compare import format_table, summarize
+from fedpilot.compare import format_resolution, format_table, resolution, summarize
 from fedpilot.report import REPORT_ARTIFACT, build, clients_frame
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
 
@@ -77,6 +77,13 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
     assert counts == seed_counts(changes, ["other"], 3, higher=True)["other"]
     assert sum(counts.values()) == len(every_seed(changes, 3)) > 0
     assert "dataset.seed is unset" in output  # each seed draws its own shards: say that a name is other data
+    # the resolution: 2 sd of the paired differences, and the step of one test sample of the median client
+    diff_sd = metrics["other.test_acc_mean.diff_sd"]
+    sizes = last["base", 0]["test_samples"]
+    assert metrics["resolution.paired_2sd"] == pytest.approx(2 * diff_sd)
+    assert metrics["resolution.mean_step"] == pytest.approx(1 / sizes.median() / len(sizes))
+    assert metrics["resolution.smallest"] == pytest.approx(max(2 * diff_sd, 1 / sizes.median() / len(sizes)))
+    assert f"below {metrics['resolution.smallest']:.4f} are not resolved" in output.replace("\n", " ")
     # the comparison's report: the table, the clients sorted by mean change with their band, the counts
     page = Path(client.download_artifacts(run.info.run_id, REPORT_ARTIFACT, str(workdir))).read_text()
     figure = (f"other: {counts['helped_every_seed']:.0f} helped on every seed, {counts['hurt_every_seed']:.0f} hurt "
@@ -146,3 +153,19 @@ def test_the_table_keeps_its_columns_apart_and_counts_ties():
     header, base, other = format_table(summarize(scores, "base"), "base", 2).splitlines()[1:]
     assert header.split()[-1] == "novel_test_acc_mean" and base.endswith("0.6250 ± 0.1768")
     assert re.split(r"\s{2,}", other)[-1] == "-0.0714 ± 0.1010 (0 better, 1 worse)"
+
+
+def test_the_resolution_is_the_larger_of_the_paired_spread_and_one_test_sample():
+    summary = {"base": {"test_acc_mean.diff_sd": 0.0}, "a": {"test_acc_mean.diff_sd": 0.004},
+               "b": {"test_acc_mean.diff_sd": 0.001}, "c": {"test_acc_mean.diff_sd": 0.010}}
+    resolved = resolution(summary, "base", [100, 200, 300, 400], "acc")
+    assert resolved["paired_2sd"] == pytest.approx(0.008) and resolved["paired_2sd_max"] == pytest.approx(0.020)
+    assert resolved["client_step"] == pytest.approx(1 / 250) and resolved["mean_step"] == pytest.approx(1 / 1000)
+    assert resolved["smallest"] == pytest.approx(0.008)
+    coarse = resolution(summary, "base", [7] * 10, "acc")  # one sample of a 7-sample client, in a mean of 10
+    assert coarse["smallest"] == pytest.approx(1 / 70)
+    one_seed = resolution({"base": {}, "a": {"test_acc_mean.diff_sd": float("nan")}}, "base", [50, 50], "acc")
+    assert np.isnan(one_seed["paired_2sd"]) and one_seed["smallest"] == pytest.approx(0.01)
+    assert "needs 2 or more seeds" in format_resolution(one_seed, 1, "acc").replace("\n", " ")
+    errors = resolution({"base": {}, "a": {"test_mse_mean.diff_sd": 0.004}}, "base", [5, 5], "mse")  # not counted
+    assert np.isnan(errors["mean_step"]) and errors["smallest"] == pytest.approx(0.008)

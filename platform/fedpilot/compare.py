@@ -17,6 +17,9 @@ worse; the others are ties).
 Every pipeline run is nested under the comparison's run, which records the table (comparison.txt), the values
 of every run (comparison.json), the summary as metrics and each run's id as a tag `run.<pipeline>.<seed>`.
 Where the runs record them, the table gains the novel clients' and the selected models' mean (mean ± sd over seeds).
+Under the table, the set's resolution: the smallest difference of the mean test metric it tells from noise, the
+larger of twice the sd of the paired differences over seeds (median over the pipelines) and the step one test sample
+of the median client makes in the mean over clients (for accuracy); recorded as `resolution.*` metrics.
 
 Per client (by name), each pipeline's change against the baseline on each seed goes to the table
 `clients_across_seeds.json` (client, pipeline, seed, change), and the clients helped on every seed, hurt on every
@@ -140,6 +143,7 @@ def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipeli
                                 "pipelines": list(specs), "overrides": comparison.overrides})
     scores: dict[str, dict[int, dict[str, float]]] = {name: {} for name in specs}
     values: dict[str, dict[int, dict[str, float]]] = {name: {} for name in specs}  # per-client test values
+    test_sizes: list[int] = []  # the baseline's clients' test samples on the first seed (the set's granularity)
     runs: dict[str, dict[int, str]] = {name: {} for name in specs}
     seeds, metric = comparison.seed_list(), "acc"
     try:
@@ -151,6 +155,8 @@ def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipeli
                 last = result.stages[-1].run_id  # what the comparison scores: the pipeline's last stage
                 scores[name][seed] = run_scores(tracker.client.get_run(last).data.metrics, metric)
                 values[name][seed] = client_values(tracker.client, last, metric)
+                if name == comparison.baseline and not test_sizes:
+                    test_sizes = client_test_sizes(tracker.client, last)
                 runs[name][seed] = result.run_id
                 tracker.set_tags(run_id, {f"run.{name}.{seed}": result.run_id})
                 echo(f"seed {seed} {name}: " + ", ".join(f"{s}={v:.4f}" for s, v in scores[name][seed].items()))
@@ -160,18 +166,22 @@ def run_comparison(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipeli
         counts = seed_counts(changes, [n for n in specs if n != comparison.baseline], len(seeds), higher)
         federation = federation_note({n: {s: spec.dataset.seed for s, spec in by_seed.items()}
                                       for n, by_seed in specs.items()})
+        resolved = resolution(summary, comparison.baseline, test_sizes, metric)
         table = "\n\n".join([format_table(summary, comparison.baseline, len(seeds), metric),
+                              format_resolution(resolved, len(seeds), metric),
                               format_counts(counts, comparison.baseline, len(seeds), metric),
                               textwrap.fill(federation, 118)])
         tracker.log_metrics(run_id, {f"{name}.{key}": value for name, row in summary.items()
                                      for key, value in row.items()})
         tracker.log_metrics(run_id, {f"{name}/clients_{key}": n for name, row in counts.items()
                                      for key, n in row.items()})
+        tracker.log_metrics(run_id, {f"resolution.{key}": v for key, v in resolved.items() if np.isfinite(v)})
         tracker.client.log_table(run_id, changes.to_dict(orient="list"), CHANGES_TABLE)
         tracker.client.log_text(run_id, table, "comparison.txt")
         tracker.client.log_dict(run_id, {"baseline": comparison.baseline, "metric": metric, "seeds": seeds,
                                          "federation": federation, "scores": scores, "runs": runs,
-                                         "summary": summary, "counts": counts}, "comparison.json")
+                                         "summary": summary, "counts": counts, "resolution": resolved},
+                              "comparison.json")
         log_report(tracker.client, run_id)
         tracker.finish(run_id)
     except BaseException as err:
@@ -190,6 +200,43 @@ def client_values(client: Any, run_id: str, metric: str) -> dict[str, float]:
     """Each participating client's test `metric` in a stage run's per-client table, by the client's name."""
     frame = participating(clients_frame(client, run_id))
     return dict(zip(frame["name"].astype(str), frame[f"test_{metric}"].astype(float), strict=True))
+
+
+def client_test_sizes(client: Any, run_id: str) -> list[int]:
+    """Each participating client's number of test samples in a stage run's per-client table."""
+    return [int(n) for n in participating(clients_frame(client, run_id))["test_samples"]]
+
+
+def resolution(summary: dict[str, dict[str, float]], baseline: str, test_sizes: list[int],
+               metric: str) -> dict[str, float]:
+    """The smallest difference of the mean test `metric` the set can tell from noise: twice the sd over seeds of
+    the paired differences with the baseline (median and largest over the pipelines; NaN with one seed), and for a
+    metric counted in samples (accuracy) the step one test sample makes: a client's (median client) and the mean
+    over clients' (the median client's sample in a mean over every client). `smallest` is the larger of the median
+    paired 2 sd and the mean's step."""
+    score = f"test_{metric}_mean.diff_sd"
+    spreads = [2 * row[score] for name, row in summary.items() if name != baseline and np.isfinite(row.get(score, np.nan))]
+    paired = float(np.median(spreads)) if spreads else float("nan")
+    counted = metric == "acc" and len(test_sizes) > 0 and min(test_sizes) > 0
+    client_step = 1 / float(np.median(test_sizes)) if counted else float("nan")
+    mean_step = client_step / len(test_sizes) if counted else float("nan")
+    smallest = float(np.nanmax([paired, mean_step])) if spreads or counted else float("nan")
+    return {"paired_2sd": paired, "paired_2sd_max": float(max(spreads)) if spreads else float("nan"),
+            "client_step": client_step, "mean_step": mean_step, "smallest": smallest}
+
+
+def format_resolution(resolved: dict[str, float], seeds: int, metric: str) -> str:
+    """The resolution as one paragraph: what it is and what it is made of."""
+    name = f"test_{metric}_mean"
+    parts = [f"2 x sd of the paired differences over {seeds} seeds: {resolved['paired_2sd']:.4f} (median over the "
+             f"pipelines; largest {resolved['paired_2sd_max']:.4f})" if np.isfinite(resolved["paired_2sd"]) else
+             "the paired differences' sd needs 2 or more seeds"]
+    if np.isfinite(resolved["client_step"]):
+        parts.append(f"one test sample moves a client's {metric_label(metric)} by {resolved['client_step']:.4f} "
+                     f"(median client) and {name} by {resolved['mean_step']:.4f}")
+    head = f"resolution: differences of {name} below {resolved['smallest']:.4f} are not resolved" \
+        if np.isfinite(resolved["smallest"]) else "resolution: unknown"
+    return textwrap.fill(f"{head}: " + "; ".join(parts) + ".", 118)
 
 
 def summarize(scores: dict[str, dict[int, dict[str, float]]], baseline: str,

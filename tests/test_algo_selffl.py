@@ -212,6 +212,12 @@ def test_step_counts_adapt_per_client_and_follow_the_reported_variances():
     assert int(settled.sum()) >= 6
     assert len(set(steps[settled].tolist())) >= 3 and float(steps[settled].max()) < 20
     assert (variance[settled] > 0).all()
+    # the round's spread of the steps over its cohort, logged each round (the report draws it, as Fig. 11)
+    cohort = steps[stage.sample_cohort(5)].double()
+    logged = stage.round_result.metrics
+    assert logged["cohort_steps_min"] == cohort.min() and logged["cohort_steps_max"] == cohort.max()
+    assert logged["cohort_steps_p50"] == pytest.approx(float(cohort.quantile(0.5)))
+    assert {"cohort_variance_p10", "cohort_activations_p90"} <= set(logged)
 
 
 def test_eq14_is_the_spread_of_every_clients_latest_personal_model():
@@ -247,3 +253,21 @@ def test_bad_params_and_a_stage_without_prepare_model_are_refused():
         build_algorithm("selffl_aug", {"optimum_steps": 0})
     with pytest.raises(RuntimeError, match="prepare_model"):
         stage_for(TinyMLP(), ALL, ToyData(), build_algorithm("selffl"), StageConfig())
+
+
+def test_the_report_draws_the_steps_spread_round_by_round():
+    import pandas as pd
+
+    from fedpilot.report import PipelineRun, Stage, cohort_figure
+
+    rounds = pd.RangeIndex(1, 4)
+    curves = {f"cohort_steps_{stat}": pd.Series([v + k for k in range(3)], index=rounds, dtype=float)
+              for stat, v in (("min", 1), ("p10", 1), ("p50", 2), ("p90", 4), ("max", 6))}
+    stages = [Stage("fedavg", "s0", "miss", {"rounds": 5}, pd.DataFrame(), {}),
+              Stage("selffl", "s1", "miss", {"rounds": 3}, pd.DataFrame(), curves)]
+    figure = cohort_figure([PipelineRun("r", "run", "1", stages, "run")])
+    assert figure.layout.annotations[0].text == "steps"
+    median = next(t for t in figure.data if t.line.dash == "solid")
+    assert list(median.x) == [6, 7, 8] and list(median.y) == [2, 3, 4]  # after fedavg's 5 rounds
+    assert sorted(t.fill for t in figure.data if t.fill) == ["tonexty"] and len(figure.data) == 5
+    assert cohort_figure([PipelineRun("r", "run", "1", stages[:1], "run")]) is None

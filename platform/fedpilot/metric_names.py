@@ -42,6 +42,11 @@ GLOBAL = "global"  # participating clients with the global model (the per-client
 SELECTED = "selected"  # each participating client with the model its val split chose (`evaluation.select: val`)
 SELECTED_SHARE = "selected_personal_share"  # the share of clients that kept their personal model
 
+# An algorithm's per-client scalars (Self-FL's steps, pFedGate's densities) over each round's cohort, logged per
+# round as `cohort_{name}_{stat}`: how they spread, round by round (Chen et al., NeurIPS 2022, Fig. 11's steps).
+COHORT = "cohort"
+COHORT_STATS = {"min": 0, "p10": 10, "p50": 50, "p90": 90, "max": 100}  # statistic -> percentile
+
 
 def task_metrics(task: str) -> tuple[str, ...]:
     """The per-client metrics of `task`, its primary one first."""

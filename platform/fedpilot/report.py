@@ -32,6 +32,8 @@ from plotly.subplots import make_subplots
 from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed, participating
 from fedpilot.errors import SpecError
 from fedpilot.metric_names import (
+    COHORT,
+    COHORT_STATS,
     FOOTPRINT_LABELS,
     HEADLINE_STATS,
     NOVEL,
@@ -162,12 +164,21 @@ def _stage(client: MlflowClient, run) -> Stage:
     run_id, metrics = run.info.run_id, run.data.metrics
     source = run.data.tags.get(CACHE_SOURCE_TAG)
     curves = {}
-    for key in curve_keys(primary_metric(metrics)):
+    trained = metrics if source is None else _metrics(client, source)  # the run whose rounds were logged
+    for key in [*curve_keys(primary_metric(metrics)), *sorted(k for k in trained if k.startswith(f"{COHORT}_"))]:
         series = _history(client, run_id, key) if key in metrics else _history(client, source, key)
         if len(series):
             curves[key] = series
     return Stage(run.data.tags[STAGE_TAG], run_id, run.data.tags.get(CACHE_TAG, ""), dict(metrics),
                  participating(clients_frame(client, run_id)), curves)
+
+
+def _metrics(client: MlflowClient, run_id: str) -> dict[str, float]:
+    """A run's latest metrics (none when it is gone)."""
+    try:
+        return dict(client.get_run(run_id).data.metrics)
+    except MlflowException:  # a cache source run deleted since
+        return {}
 
 
 def _history(client: MlflowClient, run_id: str | None, key: str) -> pd.Series:
@@ -352,6 +363,36 @@ def curves_figure(runs: list[PipelineRun]) -> go.Figure | None:
     return _sized(fig, 380)
 
 
+def cohort_figure(runs: list[PipelineRun]) -> go.Figure | None:
+    """Per algorithm scalar (Self-FL's steps, pFedGate's densities), its spread over each round's cohort: the median,
+    the band from the 10th to the 90th percentile, and the least and largest (dotted), over the pipeline's rounds."""
+    names = sorted({k.removeprefix(f"{COHORT}_").rsplit("_", 1)[0] for r in runs for s in r.stages for k in s.curves
+                    if k.startswith(f"{COHORT}_")})
+    if not names:
+        return None
+    fig = make_subplots(1, len(names), subplot_titles=names)
+    for j, run in enumerate(runs):
+        offset, color = 0, COLORS[j % len(COLORS)]
+        for stage in run.stages:
+            for i, name in enumerate(names):
+                lines = {stat: stage.curves.get(f"{COHORT}_{name}_{stat}") for stat in COHORT_STATS}
+                if lines["p50"] is None:
+                    continue
+                for stat, dash, fill in (("p10", None, None), ("p90", None, "tonexty"), ("p50", "solid", None),
+                                         ("min", "dot", None), ("max", "dot", None)):
+                    series = lines[stat]
+                    fig.add_trace(go.Scatter(
+                        x=series.index + offset, y=series.to_numpy(), mode="lines", fill=fill, name=run.label,
+                        line={"color": color, "dash": dash, "width": 2 if stat == "p50" else 1 if dash else 0},
+                        opacity=1 if dash else 0.3, legendgroup=run.run_id,
+                        showlegend=stat == "p50" and i == 0 and stage is run.stages[0],
+                        hovertemplate=f"{stage.name} round %{{x}}: {stat} %{{y:.4g}}<extra>{run.label}</extra>"),
+                        1, i + 1)
+            offset += int(stage.metrics.get("rounds", 0))
+    fig.update_xaxes(title_text="round (stages one after another)")
+    return _sized(fig, 380)
+
+
 def footprint_figure(runs: list[PipelineRun]) -> go.Figure:
     """Bytes of each footprint (shared model, personal per client, bank, communication per round, measured peak,
     estimate) per stage, on a log scale."""
@@ -499,6 +540,9 @@ def render(runs: list[PipelineRun], tracking_uri: str = "") -> str:
          "client." + ("" if higher_is_better(runs[0].metric) else " Below 0 is better."), change_figure(runs)),
         ("Curves", "Evaluation of every client on its validation split and the training loss, by round.",
          curves_figure(runs)),
+        ("The algorithm's per-client values by round", "Over each round's cohort: the median (line), the 10th to "
+         "90th percentile (band), the least and largest (dotted); e.g. Self-FL's local steps (Chen et al., NeurIPS "
+         "2022, Eq. 8 and Fig. 11), pFedGate's model and upload densities.", cohort_figure(runs)),
         ("Footprints", "Bytes per stage: shared model, one client's personal part, the bank of all personal parts, "
          "communication per round, the measured peak memory and the estimate where recorded.", footprint_figure(runs)),
         ("Per-client table", "Test " + metric + " of every client after each stage; sort it with the menu.",

@@ -32,6 +32,7 @@ from fedpilot.engine.novel import NovelClients, beyond_participants
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
 from fedpilot.errors import Diverged, NothingToTrain, StageFailed
+from fedpilot.metric_names import COHORT, COHORT_STATS
 from fedpilot.models.split import ParamSplit
 
 
@@ -298,7 +299,16 @@ class FederatedStage(L.LightningModule):
         up = aggregate.upload_bytes
         return {"train_loss": train_loss, f"train_{self.task.train_metric}": metric / max(steps, 1.0),
                 "clients": float(len(clients)), "bytes_up": float(up),
-                "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values()))}
+                "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values())),
+                **self.cohort_spread(clients)}
+
+    def cohort_spread(self, clients: torch.Tensor) -> dict[str, float]:
+        """The spread over the round's cohort of each per-client scalar of the algorithm's state (Self-FL's steps,
+        pFedGate's densities), as `cohort_{name}_{stat}` (every process has the whole cohort's rows by now)."""
+        rows = self.state_bank.get(clients.cpu())
+        percents = torch.tensor(list(COHORT_STATS.values()), dtype=torch.float64) / 100
+        return {f"{COHORT}_{name}_{stat}": float(q) for name, values in rows.items() if values.dim() == 1
+                for stat, q in zip(COHORT_STATS, torch.quantile(values.double(), percents), strict=True)}
 
     def check_finite(self, round_idx: int, train_loss: float, pseudo_grad: Params) -> None:
         """Stop at the first round whose training loss or aggregated update is not finite, before the server steps

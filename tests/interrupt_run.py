@@ -10,8 +10,9 @@ import sys
 
 from fedpilot.cli import app
 from fedpilot.engine.stage import FederatedStage
+from fedpilot.pipeline.round_metrics import RoundMetrics
 from fedpilot.pipeline.signals import CheckpointOnStop
-from fedpilot.tracking import RoundMetrics, Tracker
+from fedpilot.tracking import Tracker
 
 STAGE, ROUND = int(os.environ["STOP_STAGE"]), int(os.environ["STOP_ROUND"])
 SIGNAL = signal.Signals[os.environ["STOP_SIGNAL"]]

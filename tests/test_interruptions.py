@@ -16,7 +16,9 @@ from mlflow import MlflowClient
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.pipeline.cache import code_fingerprint
-from fedpilot.tracking import RoundMetrics, Tracker
+from fedpilot.pipeline.round_metrics import RoundMetrics
+from fedpilot.testing import device_under_test
+from fedpilot.tracking import Tracker
 from pipeline_fixtures import (
     SMALL,
     assert_same_as,
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.slow  # starts services or processes (conftest runs the
 
 HERE = Path(__file__).parent
 CPU = "system/cpu_utilization_percentage"
-LONGER = {**SMALL, "tracking": {"system_metrics": True},
+DEVICE = {"device": os.environ["FEDPILOT_TEST_DEVICE"]} if "FEDPILOT_TEST_DEVICE" in os.environ else {}
+LONGER = {**SMALL, **DEVICE, "tracking": {"system_metrics": True},
           "stages": [{**SMALL["stages"][0], "rounds": 12}, {**SMALL["stages"][1], "rounds": 10},
                      SMALL["stages"][2]], "evaluation": {"every": 4}}
 
@@ -64,6 +67,7 @@ def the_parent(client: MlflowClient) -> str:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
     """LONGER's final metrics when nothing stops it: both interrupted runs must end equal to it."""
+    device_under_test()
     return final_metrics_of_a_clean_run(tmp_path_factory.mktemp("uninterrupted"),
                                         {**LONGER, "tracking": {"system_metrics": False}})
 
@@ -122,6 +126,8 @@ def test_rounds_reach_the_store_together_and_all_before_a_checkpoint(workdir):
 
 @pytest.mark.parametrize("when", ["round_start", "round_end"])
 def test_sigterm_stops_after_the_round_killed_and_resumable(workdir, uninterrupted, when):
+    """On the device under test (FEDPILOT_TEST_DEVICE) too: the resumed run ends bit-identical to the clean one."""
+    device_under_test()
     proc = interrupted(workdir, "SIGTERM", stage=1, round_idx=6, when=when)
     assert proc.returncode == 128 + 15, proc.stderr
     assert "SIGTERM: stopping after this round" in proc.stderr and "run --resume" in proc.stderr

@@ -29,12 +29,13 @@ from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
+from fedpilot.pipeline.round_metrics import RoundMetrics
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
 from fedpilot.pipeline.stage_record import SPLITS, stage_record
 from fedpilot.report import log_report, pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, RoundMetrics, Tracker, flatten
+from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, flatten
 
 
 @dataclass

@@ -1,0 +1,49 @@
+"""RoundMetrics: the Lightning callback that writes each round's metrics to the stage's MLflow run (apart from
+tracking.py, so that what only reads or closes runs, a job worker reaping a dead job, imports no Lightning)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlflow.entities import Metric
+
+from fedpilot.engine.hooks import RoundCallback, RoundResult
+from fedpilot.tracking import Tracker
+
+
+class RoundMetrics(RoundCallback):
+    """Logs each round's metrics (training stats, and validation when due) to a stage run; step = rounds done, time =
+    when the round ended. The test split, evaluated once at the stage's end, is logged with the stage's other
+    once-per-stage values.
+
+    Rounds reach the store together, at most `flush_seconds` apart (a write per round was a large part of a small
+    model's round on SQLite), and always before a checkpoint is saved and when training ends or fails: a run
+    resumed from a checkpoint holds every round before it."""
+
+    flush_seconds = 1.0
+
+    def __init__(self, tracker: Tracker, run_id: str):
+        self.tracker, self.run_id = tracker, run_id
+        self.pending: list[Metric] = []
+        self.flushed_at = time.monotonic()
+
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        metrics = {k: v for k, v in result.metrics.items() if not k.startswith("test_")}
+        self.pending += self.tracker.new_metrics(self.run_id, metrics, step=result.round)
+        if time.monotonic() - self.flushed_at >= self.flush_seconds:
+            self.flush()
+
+    def on_save_checkpoint(self, *args: Any) -> None:
+        self.flush()
+
+    def on_train_end(self, *args: Any) -> None:
+        self.flush()
+
+    def on_exception(self, *args: Any) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the rounds logged since the last flush."""
+        self.tracker.write_metrics(self.run_id, self.pending)
+        self.pending, self.flushed_at = [], time.monotonic()

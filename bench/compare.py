@@ -13,6 +13,7 @@ suite: nothing here asserts a timing.
 
     python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--repeats 3] [--device cpu|cuda]
                             [--peers flower pfl | --no-peers] [--no-scaling] [--no-scale] [--no-first-step]
+                            [--clients-per-round 50 1000] [--clients N] [--contenders fedpilot plain-reuse ...]
                             [--json results.json]
 """
 
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -100,7 +102,7 @@ def combine(key: str, runs: list[dict]) -> dict:
            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs)}
     if "executor" in row:
         row["executor"] = "/".join(dict.fromkeys(r["executor"] for r in runs))
-    for field in ("gpu_util_mean", "gpu_peak_mib"):
+    for field in ("gpu_util_mean", "gpu_peak_mib", "device_peak_bytes"):
         if field in row:
             row[field] = max(r[field] for r in runs)
     return row
@@ -114,24 +116,27 @@ def ratio_range(row: dict, base: dict | None) -> str:
     return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
 
-def print_table(model: str, work, rows: list[dict], flops: float, gemm: float) -> None:
+def print_table(model: str, work, rows: list[dict], flops: float, gemm: float, gemm16: float) -> None:
     base = next((r for r in rows if r["key"] == "fedpilot" and "median_s" in r), None)
     print(f"\n### {model}: {work.describe()}\n")
     print(f"FLOPs per round (forward + backward): {flops / 1e9:.2f} GFLOP; limit at the measured fp32 GEMM rate: "
           f"{flops / gemm / 1e9:.3f} s\n")
-    print("| contender | s/round (median) | peak memory | x fedpilot's time (turns) | GFLOP/s | of fp32 GEMM |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| contender | s/round (median) | peak memory | x fedpilot's time (turns) | GFLOP/s | of fp32 GEMM | "
+          "of bf16 GEMM |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         name = r["label"] + (f" {r['version']}" if "version" in r else "") + (
             f" [{r['executor']}]" if "executor" in r else "")
         if "error" in r:
-            print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | |")
+            print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | | |")
             continue
         s = r["median_s"]
         gpu = f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB" if "gpu_util_mean" in r else ""
+        if "device_peak_bytes" in r:
+            gpu += f", torch peak {r['device_peak_bytes'] / 2**30:.2f} GiB"
         ratio = "-" if base is None else "1.00x" if r is base else f"{s / base['median_s']:.2f}x ({ratio_range(r, base)})"
         print(f"| {name} | {s:.4f} | {r['peak_memory_bytes'] / 2**30:.2f} GiB{gpu} | {ratio} | "
-              f"{flops / s / 1e9:.3g} | {100 * flops / s / 1e9 / gemm:.3g}% |")
+              f"{flops / s / 1e9:.3g} | {100 * flops / s / 1e9 / gemm:.3g}% | {100 * flops / s / 1e9 / gemm16:.3g}% |")
 
 
 def main() -> None:
@@ -149,16 +154,24 @@ def main() -> None:
                         help="skip the federation-size tables (bench/scale.py: 1k to 1M clients, cohorts 10 to 1000)")
     parser.add_argument("--no-first-step", action="store_true",
                         help="skip the CNN's first local step batched over clients (bench/first_step.py)")
+    parser.add_argument("--clients-per-round", type=int, nargs="+", help="one table per cohort size (default: the "
+                        "workload's 50; at most the workload's clients)")
+    parser.add_argument("--clients", type=int, help="clients in the federation (default: the workload's 1000)")
+    parser.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS),
+                        help="run only these (default: fedpilot, its bf16 and sequential rows, the plain loops, peers)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    parser.add_argument("--gemm-seconds", type=float, default=3.0, help="time spent measuring each GEMM rate")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
 
     info = describe(args.device)
-    gemm32, n32 = gemm_gflops(torch.float32, args.device)
-    gemm16, n16 = gemm_gflops(torch.bfloat16, args.device)
+    gemm32, n32 = gemm_gflops(torch.float32, args.device, args.gemm_seconds)
+    gemm16, n16 = gemm_gflops(torch.bfloat16, args.device, args.gemm_seconds)
     peers = [] if args.no_peers else ensure_peers(args.peers)
     keys = ["fedpilot", *(["fedpilot-bf16"] if bf16_supported(args.device) else []), "fedpilot-sequential",
             "plain-reuse", "plain-fresh", *peers]
+    if args.contenders:
+        keys = [k for k in keys if k in args.contenders]
     print(f"## fedpilot vs peers ({time.strftime('%Y-%m-%d %H:%M')})\n")
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['cpu_capability']}), {info['memory_gib']} GiB"
           + (f", GPU {info['gpu']}" if "gpu" in info else "") + f"; torch {info['torch']}, "
@@ -169,14 +182,19 @@ def main() -> None:
           f"{args.repeats} turn(s) of every contender; peak memory = the largest summed PSS of the contender's process "
           "tree")
     results = {"machine": info, "gemm_gflops": {"fp32": gemm32, "bf16": gemm16}, "models": {}}
+    results["tables"] = []
     for model in args.models:
-        work = WORKLOADS[model]
-        write_data(work)
-        flops = flops_per_round(work)
-        turns = [[run_contender(key, work, args) for key in keys] for _ in range(args.repeats)]
-        rows = [combine(key, [turn[i] for turn in turns]) for i, key in enumerate(keys)]
-        print_table(model, work, rows, flops, gemm32)
-        results["models"][model] = {"flops_per_round": flops, "rows": rows}
+        base = replace(WORKLOADS[model], clients=args.clients or WORKLOADS[model].clients)
+        for cohort in args.clients_per_round or [min(base.clients_per_round, base.clients)]:
+            work = replace(base, clients_per_round=cohort)
+            write_data(work)
+            flops = flops_per_round(work)
+            turns = [[run_contender(key, work, args) for key in keys] for _ in range(args.repeats)]
+            rows = [combine(key, [turn[i] for turn in turns]) for i, key in enumerate(keys)]
+            print_table(model, work, rows, flops, gemm32, gemm16)
+            results["models"].setdefault(model, {"flops_per_round": flops, "rows": rows})
+            results["tables"].append({"model": model, "clients_per_round": cohort, "flops_per_round": flops,
+                                      "rows": rows})
     print(f"\nload average after: {describe(args.device)['load'][0]:.2f}")
     sys.stdout.flush()
     if not args.no_scaling:

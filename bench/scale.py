@@ -349,6 +349,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N functions of most own time in the measured rounds of each configuration")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    parser.add_argument("--json", help="also write every configuration's measurements to this file")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # one configuration (JSON), in this process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -393,6 +394,9 @@ def main() -> None:
         if "profile" in r:
             print(f"\n### profile of the measured rounds, {n:,} clients\n\n```\n{r['profile'].strip()}\n```")
     print(f"\nload average after: {describe(args.device)['load'][0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "by_size": dict(by_size),
+                                               "by_cohort": dict(by_cohort) if args.cohorts else {}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ def report(out: str, contender: str, work: Workload, times: list[float], warmup:
     result = {"contender": contender, "workload": json.loads(work.to_json()), "round_s": times,
               "median_s": median_after_warmup(times, warmup), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "python": sys.version.split()[0], **extra}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated()
     Path(out).write_text(json.dumps(result))
 
 

@@ -11,7 +11,14 @@ from fedpilot.engine.accel import choose_execution, executor_candidates
 from fedpilot.engine.cohort import Cohort
 from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.protocol import Upload
-from fedpilot.testing import HEAD, INPUT, assert_close, assert_matches_sequential, run_stage
+from fedpilot.testing import (
+    HEAD,
+    INPUT,
+    assert_close,
+    assert_matches_sequential,
+    device_under_test,
+    run_stage,
+)
 
 CASES = [
     ("fedavg", [], {}),
@@ -43,6 +50,30 @@ def test_conv_model_matches_sequential():
     assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
                               lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("vmap_autograd", 3), ("loop", 4),
                                                                         ("loop_channels_last", 4)))
+
+
+def has_bf16(device: torch.device) -> bool:
+    """bf16 matmul units torch uses: a CUDA GPU with bf16, or oneDNN's AVX-512-BF16/AMX path on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@pytest.mark.parametrize(("execution", "chunk"), [("vmap", 7), ("loop", 2), ("bmm", 5)])
+def test_bf16_mixed_executors_match_sequential_under_bf16(execution, chunk):
+    """Under bf16-mixed each executor stays within bf16's rounding of the sequential reference under bf16-mixed, and
+    parameters stay float32 (where the device has bf16 units: CUDA, or a CPU with AVX-512-BF16/AMX)."""
+    device = device_under_test()
+    if not has_bf16(device):
+        pytest.skip(f"no bf16 matmul units on {device}")
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1)
+    reference = run_stage("fedalt", HEAD, {}, "sequential", 1, local, precision="bf16-mixed")
+    got = run_stage("fedalt", HEAD, {}, execution, chunk, local, precision="bf16-mixed")
+    for mine, theirs in zip(got, reference, strict=True):
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            assert mine[name].dtype == torch.float32, name
+            torch.testing.assert_close(mine[name], theirs[name], atol=3e-2, rtol=3e-2, msg=name)
 
 
 def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():

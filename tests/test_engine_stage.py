@@ -13,6 +13,7 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.engine.cohort import Cohort
 from fedpilot.engine.config import LocalConfig, ServerConfig, StageConfig
 from fedpilot.engine.stage import FederatedStage
+from fedpilot.testing import accelerator, device_under_test
 
 HEAD = ["head.weight", "head.bias"]
 
@@ -31,19 +32,21 @@ def state(stage: FederatedStage) -> dict:
 
 
 def test_resume_mid_stage_gives_identical_parameters(tmp_path):
+    """Bit-identical, on the device under test (FEDPILOT_TEST_DEVICE) too."""
     full = make_stage()
     fit(full)
+    on = accelerator(device_under_test())
     interrupted = make_stage()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
     L.Trainer(max_steps=3, logger=False, callbacks=[ckpt], enable_progress_bar=False,
-              enable_model_summary=False).fit(interrupted)
+              enable_model_summary=False, **on).fit(interrupted)
     resumed = make_stage()
     L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+              enable_model_summary=False, **on).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
     expected, got = state(full), state(resumed)
     assert expected.keys() == got.keys()
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], msg=key)
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
     assert not torch.equal(state(interrupted)["model.body.1.weight"], expected["model.body.1.weight"])
 
 

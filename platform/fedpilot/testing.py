@@ -13,6 +13,7 @@ Names here are stable like those of fedpilot.api.
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -82,10 +83,33 @@ def stage_for(model: nn.Module, personal: list[str], *args, **kwargs) -> Federat
     return FederatedStage(model, ParamSplit.of(model, personal), *args, **kwargs)
 
 
+def device_under_test() -> torch.device:
+    """The device the engine's tests run on: FEDPILOT_TEST_DEVICE (default cpu; `cuda` on a GPU node). When it is
+    absent the calling test is skipped, except under CI (CI=true), where it fails: a run that names a device must
+    not pass without it."""
+    device = torch.device(os.environ.get("FEDPILOT_TEST_DEVICE", "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        message = f"FEDPILOT_TEST_DEVICE={device}: no CUDA device here"
+        if os.environ.get("CI", "").lower() == "true":
+            raise RuntimeError(message)
+        import pytest
+
+        pytest.skip(message)
+    return device
+
+
+def accelerator(device: torch.device) -> dict[str, Any]:
+    """Lightning Trainer arguments that run on `device`."""
+    if device.type == "cuda":
+        return {"accelerator": "gpu", "devices": [device.index or 0]}
+    return {"accelerator": "cpu", "devices": 1}
+
+
 def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
-    """Run a stage with a quiet Lightning Trainer (unless `trainer_kwargs` say otherwise) for its number of rounds."""
+    """Run a stage with a quiet Lightning Trainer (unless `trainer_kwargs` say otherwise) for its number of rounds, on
+    the device under test."""
     quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-             "enable_model_summary": False, "accelerator": "cpu"}
+             "enable_model_summary": False, **accelerator(device_under_test())}
     trainer = L.Trainer(max_steps=stage.n_rounds, **{**quiet, **trainer_kwargs})
     trainer.fit(stage)
     return trainer
@@ -93,9 +117,10 @@ def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
 
 def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: dict[str, Any] | None = None,
               execution: str = "sequential", chunk: int = 1, local: LocalConfig | None = None,
-              model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None) -> tuple[Tensors, Tensors]:
+              model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None,
+              precision: str = "32-true") -> tuple[Tensors, Tensors]:
     """(shared parameters, personal bank) after 4 rounds of 7 clients of ToyData (seed 3) with `execution` in chunks
-    of `chunk` clients. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
+    of `chunk` clients, under `precision`. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
     `params`; `personal`: the personal parameter names (None: all); `model`: a zero-argument factory of a fresh model
     for `data`."""
     from fedpilot.algorithms import build_algorithm
@@ -104,14 +129,14 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     net = model()
     names = [n for n, _ in net.named_parameters()] if personal is None else personal
     config = StageConfig(rounds=4, clients_per_round=7, local=local or LocalConfig(batch_size=4, lr=0.1),
-                         max_parallel_clients=chunk, eval_every=2)
+                         max_parallel_clients=chunk, eval_every=2, precision=precision)
     built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else copy.deepcopy(algorithm)
     stage = stage_for(net, names, data or ToyData(), built, config, seed=3)
     stage.execution = execution
     fit(stage)
     shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
     bank = {n: stage.bank.tensor(n).clone() for n in names}
-    return shared, bank
+    return {n: v.cpu() for n, v in shared.items()}, {n: v.cpu() for n, v in bank.items()}
 
 
 def assert_close(a: Tensors, b: Tensors) -> None:

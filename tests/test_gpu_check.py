@@ -1,0 +1,37 @@
+"""bench/gpu/check.sh, the first command on a GPU node, run here on the CPU with reduced sizes (--quick) and the
+running Python's packages, so that the script cannot rot before a GPU runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_check_script_writes_every_part_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "bench/gpu/check.sh"), str(out), "--device", "cpu", "--quick"],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, files  # what the device tool brings back
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and summary["device"] == "cpu"
+    assert [p["part"] for p in summary["parts"]] == ["device facts", "engine tests", "pipelines", "compare", "scale"]
+    assert summary["facts"]["fp32_matmul_tflops"] > 0 and summary["facts"]["device"] == "cpu"
+    tests = (out / "tests.log").read_text()
+    assert " passed" in tests and " failed" not in tests and "[exit 0]" in tests
+    runs = (out / "runs.log").read_text()
+    assert "per-client test accuracy" in runs and "device cpu" in runs and "tracking sqlite:" in runs
+    compare = json.loads((out / "compare.json").read_text())
+    (table,) = compare["tables"]
+    assert table["clients_per_round"] == 5 and table["rows"][0]["median_s"] > 0
+    assert {"fp32", "bf16"} <= set(compare["gemm_gflops"])
+    scale = json.loads((out / "scale.json").read_text())
+    assert scale["by_size"]["200"]["median_s"] > 0 and "eval_s" in scale["by_size"]["200"]
+    assert "| clients | s/round (median) |" in (out / "scale.log").read_text()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +14,40 @@ from fedpilot.cli.common import Overrides, Pipeline, fail, print_json
 from fedpilot.errors import SpecError
 
 data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
+
+
+@contextmanager
+def build_progress() -> Iterator[None]:
+    """While open, a dataset build draws a bar on stderr per thing it does (loading, building the vocabulary,
+    tokenizing, packing, writing) with its steps, elapsed time and ETA; a cache hit draws nothing."""
+    from fedpilot.data.federated import reporting
+
+    bars: dict[str, object] = {}
+
+    def show(what: str, done: int, total: int) -> None:
+        if not bars:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            bars[""] = Progress("building the dataset:", "{task.description}", BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), "ETA", TimeRemainingColumn(), console=Console(stderr=True))
+            bars[""].start()
+        if what not in bars:
+            bars[what] = bars[""].add_task(what, total=total)
+        bars[""].update(bars[what], completed=done, total=total)
+
+    try:
+        with reporting(show):
+            yield
+    finally:
+        if bars:
+            bars[""].stop()
 
 
 @data_app.command("describe")
@@ -37,7 +73,8 @@ def data_describe(
         spec = DatasetSpec.from_dict(composed["dataset"])
         seed = pipeline_seed(composed)
         start = time.perf_counter()
-        data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
+        with build_progress():
+            data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
         seconds = time.perf_counter() - start
     except SpecError as err:
         fail(err)

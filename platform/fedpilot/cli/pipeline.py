@@ -45,6 +45,7 @@ def validate(
     parameters); print a summary of what will run (--full: the resolved spec) or the first error."""
     from omegaconf import OmegaConf
 
+    from fedpilot.cli.data import build_progress
     from fedpilot.overview import applicable, summary
     from fedpilot.pipeline.checks import prepare
     from fedpilot.settings import check_cache, check_tracking
@@ -54,7 +55,8 @@ def validate(
         root = check_cache(cache_dir)
         spec = load_pipeline(pipeline, overrides or [])
         check_tracking(spec.tracking.uri)
-        prepared = checked(lambda: prepare(spec, root))
+        with build_progress():
+            prepared = checked(lambda: prepare(spec, root))
     except SpecError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full else summary(spec, prepared and prepared.data.n_clients))

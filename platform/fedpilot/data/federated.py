@@ -15,6 +15,9 @@ import mmap
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,24 @@ FORMAT_VERSION = 3  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
 CHECK_CHUNK = 1 << 20  # values checked for nan and inf at a time
 MIN_STD = 1e-6  # a constant feature or channel is centred, not divided by 0
+ENCODE_CHUNK = 1 << 16  # texts tokenized at a time (one progress step)
+Progress = Callable[[str, int, int], None]  # (what the build is doing, steps done, steps in all)
+_progress: ContextVar[Progress | None] = ContextVar("build_progress", default=None)
+
+
+@contextmanager
+def reporting(progress: Progress) -> Iterator[None]:
+    """Builds started inside report what they are doing to `progress` (the CLI draws it; nothing here prints)."""
+    token = _progress.set(progress)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
+
+
+def report(what: str, done: int, total: int) -> None:
+    if (progress := _progress.get()) is not None:
+        progress(what, done, total)
 
 
 @dataclass(eq=False)
@@ -126,9 +147,35 @@ def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = 
     folder = root / key
     if (folder / "meta.json").is_file():
         return load(folder, cache_hit=True)
+    remove_abandoned(folder)
     built = Build(spec, seed, key, root.parent / "downloads")
     built.save(folder)
     return load(folder)
+
+
+def remove_abandoned(folder: Path) -> None:
+    """Delete what builds of this entry left when they were killed (kill -9, a power cut): their temporary
+    folders (.<key>.<pid>.tmp of a process that is gone) and an entry folder without meta.json (never written by
+    `save`, which renames a complete folder into place; a copy or an older version may leave one)."""
+    for tmp in folder.parent.glob(f".{folder.name}.*.tmp"):
+        pid = tmp.name.split(".")[-2]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+    if folder.is_dir() and not (folder / "meta.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs (a build of another process may still be writing its folder)."""
+    if pid == os.getpid():
+        return False  # this process is not writing it now: a folder of an earlier, failed build
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load(folder: Path, cache_hit: bool = False) -> FederatedData:
@@ -157,7 +204,9 @@ class Build:
     def __init__(self, spec: DatasetSpec, seed: int, key: str, downloads: Path):
         self.spec, self.key, self.tokenizer = spec, key, None
         rng = np.random.default_rng([seed, 1])
+        report("loading", 0, 1)
         raw = load_source(spec.source, seed, spec.partition.column, downloads)
+        report("loading", 1, 1)
         refuse_bad_values(raw, spec)
         targets, self.num_classes = task_targets(raw, spec)
         strata = targets if spec.task == "classification" else np.zeros(len(raw.x), dtype=np.int64)
@@ -197,10 +246,15 @@ class Build:
         check_memory("dataset.text.seq_len", text.seq_len, windows * (text.seq_len + 1) * 8,
                      f"{windows:,} sequences of {text.seq_len:,} tokens")
         train = np.concatenate([p["train"] for p in parts])
+        report("building the vocabulary", 0, 1)
         self.tokenizer = build_tokenizer(text, raw.x[train].tolist())
+        report("building the vocabulary", 1, 1)
         ids = special_ids(self.tokenizer)
         self.meta.update(specials=ids, vocab_size=self.tokenizer.get_vocab_size())
         self.feature_shape = (text.seq_len,)
+        if self.spec.task == "next_token" and text.pack:
+            self.num_classes = self.tokenizer.get_vocab_size()
+            return self._packed(raw, parts, ids)
         if self.spec.task == "next_token":
             self.num_classes = self.tokenizer.get_vocab_size()
             windows = [[pack_windows(encode(self.tokenizer, raw.x[p[s]]), text.seq_len, ids, text.pack)
@@ -210,6 +264,30 @@ class Build:
         order = np.concatenate([p[s] for p in parts for s in SPLITS])
         x = pad_to(encode(self.tokenizer, raw.x[order]), text.seq_len, ids["pad"])
         return x, targets[order], {s: np.array([len(p[s]) for p in parts], dtype=np.int64) for s in SPLITS}
+
+    def _packed(self, raw: RawData, parts: list[dict[str, np.ndarray]], ids: dict[str, int]):
+        """Next-token windows packed per client and split: the texts tokenized a chunk at a time into one int32
+        array (never a Python list per text), then every client's splits cut into windows at once."""
+        from fedpilot.data.text import encode_flat, pack_runs, stream_of
+
+        order = [p[s] for p in parts for s in SPLITS]
+        texts = raw.x[np.concatenate(order)]
+        flats, lengths = [], []
+        for start in range(0, len(texts), ENCODE_CHUNK):
+            flat, length = encode_flat(self.tokenizer, texts[start : start + ENCODE_CHUNK])
+            flats.append(flat)
+            lengths.append(length)
+            report("tokenizing", min(start + ENCODE_CHUNK, len(texts)), len(texts))
+        del texts
+        lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        stream = stream_of(np.concatenate(flats) if flats else np.zeros(0, np.int32), lengths, ids)
+        del flats
+        samples = np.cumsum([0] + [len(o) for o in order])  # each run's first sample, and the end
+        edges = np.concatenate([[0], np.cumsum(lengths + 2)])[samples]
+        x, counts = pack_runs(stream, edges, self.spec.text.seq_len, ids["pad"],
+                              lambda done, total: report("packing", done, total))
+        counts = counts.reshape(len(parts), len(SPLITS))
+        return x, None, {s: counts[:, i].astype(np.int64) for i, s in enumerate(SPLITS)}
 
     def _inputs(self, raw: RawData) -> None:
         """Check the augmentations against the inputs; normalization statistics of the training split."""
@@ -246,14 +324,28 @@ class Build:
 
     def save(self, folder: Path) -> None:
         """The cache entry, written into a temporary folder then renamed (a concurrent build of the same key wins
-        or loses whole)."""
-        from fedpilot.data.summary import summarize
-
+        or loses whole; a killed build leaves only its temporary folder, which `remove_abandoned` deletes)."""
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        try:
+            self._write(tmp)
+        except BaseException:  # Ctrl+C, a full disk: no half-written folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write(self, tmp: Path) -> None:
+        """The entry's files; meta.json, what marks an entry complete, after the arrays."""
+        from fedpilot.data.summary import summarize
+
+        report("writing", 0, 3)
         np.save(tmp / "x.npy", np.ascontiguousarray(self.x))
+        report("writing", 1, 3)
         if self.y is not None:
             np.save(tmp / "y.npy", np.ascontiguousarray(self.y))
         np.savez(tmp / "index.npz", **{f"offsets_{s}": self.offsets[s] for s in SPLITS},
@@ -261,14 +353,12 @@ class Build:
         meta = {"task": self.spec.task, "num_classes": int(self.num_classes),
                 "feature_shape": list(self.feature_shape), "client_names": self.names, "fingerprint": self.key,
                 **self.meta}
-        (tmp / "meta.json").write_text(json.dumps(meta))
         if self.tokenizer is not None:
             self.tokenizer.save(str(tmp / "tokenizer.json"))
+        report("writing", 2, 3)
+        (tmp / "meta.json").write_text(json.dumps(meta))
         (tmp / "summary.json").write_text(json.dumps(summarize(load(tmp))))
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
+        report("writing", 3, 3)
 
 
 def refuse_bad_values(raw: RawData, spec: DatasetSpec) -> None:

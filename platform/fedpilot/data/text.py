@@ -4,6 +4,7 @@ truncated/padded sequence per sample)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,49 @@ def special_ids(tokenizer) -> dict[str, int]:
 def encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text (no specials added)."""
     return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def encode_flat(tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the texts (no specials added) as one int32 array, and each text's number of tokens: no Python
+    list per text survives the call."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+    return np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32, int(lengths.sum())), lengths
+
+
+def stream_of(flat: np.ndarray, lengths: np.ndarray, ids: dict[str, int], chunk: int = 1 << 20) -> np.ndarray:
+    """[BOS] ids [EOS] of every sample, concatenated (int32), written `chunk` samples at a time."""
+    ends = np.cumsum(lengths + 2)
+    starts, token_starts = ends - lengths - 2, np.cumsum(lengths) - lengths
+    stream = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
+    stream[starts], stream[ends - 1] = ids["bos"], ids["eos"]
+    for lo in range(0, len(lengths), chunk):
+        hi = min(lo + chunk, len(lengths))
+        first, last = int(token_starts[lo]), int(token_starts[hi - 1] + lengths[hi - 1])
+        shift = np.repeat(starts[lo:hi] + 1 - (token_starts[lo:hi] - first), lengths[lo:hi])
+        stream[shift + np.arange(last - first)] = flat[first:last]
+    return stream
+
+
+def pack_runs(stream: np.ndarray, bounds: np.ndarray, seq_len: int, pad: int,
+              progress=None, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
+    """`pack_windows(..., pack=True)` of each run stream[bounds[g]:bounds[g + 1]] (a client's split), all at once:
+    the windows [n, seq_len + 1] (int64), run after run, and each run's number of windows; `progress(done,
+    total)` after each `chunk` of windows."""
+    length = np.diff(bounds)
+    counts = np.where(length > 0, -(-np.maximum(length - 1, 1) // seq_len), 0)
+    run = np.repeat(np.arange(len(length)), counts)
+    step = np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
+    begin, end = bounds[:-1][run] + step * seq_len, bounds[1:][run]
+    out = np.empty((len(run), seq_len + 1), dtype=np.int64)
+    offsets = np.arange(seq_len + 1)
+    for lo in range(0, len(run), chunk):
+        idx = begin[lo : lo + chunk, None] + offsets
+        inside = idx < end[lo : lo + chunk, None]
+        out[lo : lo + chunk] = np.where(inside, stream[np.where(inside, idx, 0)], pad)
+        if progress is not None:
+            progress(min(lo + chunk, len(run)), len(run))
+    return out, counts
 
 
 def pack_windows(samples: list[list[int]], seq_len: int, ids: dict[str, int], pack: bool) -> np.ndarray:

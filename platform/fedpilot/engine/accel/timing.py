@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
+import psutil
 import torch
 
 from fedpilot.engine.accel.memory import release_freed_memory
 
 T = TypeVar("T")
+TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
+WARM_OUT = 2.0
+TRIAL_SHARE = 0.8  # of the memory available, what a timing trial on the CPU may add (the rest: other processes)
 
 
 def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:
@@ -38,33 +44,44 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
     times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
     runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
-    the loop one client's); when all of them do, the first one's error is raised."""
-    running = []
+    the loop one client's); when all of them do, the first one's error is raised.
+
+    The timing is bounded where the work is large (a federation's first round of a large model): once it has
+    taken TIMING_BUDGET_S, a candidate whose warm-up took more than WARM_OUT times the fastest warm-up is out, and
+    no turn starts after the budget is spent (at least one timed turn runs)."""
+    start, warm = time.perf_counter(), {}
     for name in candidates:
+        began = time.perf_counter()
         if within_memory(lambda name=name: run(name), device)[0]:
-            running.append(name)
+            warm[name] = time.perf_counter() - began
         else:
             warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the "
                           "timing", stacklevel=2)
-    if not running:
+    if not warm:
         run(candidates[0])  # raises the genuine out-of-memory error (or succeeds, if memory was freed meanwhile)
-        running = candidates[:1]
+        warm = {candidates[0]: 0.0}
+    running = list(warm)
+    if time.perf_counter() - start > TIMING_BUDGET_S:
+        running = [name for name in running if warm[name] <= WARM_OUT * min(warm.values())]
     times: dict[str, list[float]] = {name: [] for name in running}
     for _ in range(repeats):
         for name in running:
             times[name].append(best_time(lambda name=name: run(name), device, repeats=1, warm=False))
         best = min(min(t) for t in times.values())
         running = [name for name in running if min(times[name]) <= out_of_the_running * best]
+        if time.perf_counter() - start > TIMING_BUDGET_S:
+            break
     seconds = {name: min(t) for name, t in times.items()}
-    return min(seconds, key=seconds.__getitem__), seconds
+    return min(seconds, key=seconds.__getitem__), {**{n: w for n, w in warm.items() if n not in seconds}, **seconds}
 
 
 def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T | None]:
     """(True, run()), or (False, None) when it runs out of memory (then its memory is handed back); other errors
     pass through."""
     try:
-        return True, run()
-    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        with host_memory_cap(device):
+            return True, run()
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
         if not out_of_memory(error):
             raise
     release_freed_memory(device)
@@ -72,5 +89,29 @@ def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T |
 
 
 def out_of_memory(error: BaseException) -> bool:
-    """A CUDA out-of-memory error, or the CPU allocator's (a plain RuntimeError in torch)."""
-    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
+    """A CUDA out-of-memory error, or the CPU allocator's (a plain RuntimeError in torch, MemoryError in Python)."""
+    return (isinstance(error, torch.OutOfMemoryError | MemoryError)
+            or "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+@contextmanager
+def host_memory_cap(device: torch.device) -> Iterator[None]:
+    """On a Linux CPU, while it is open: the process's data segment (RLIMIT_DATA: its heap and private mappings)
+    may grow by at most TRIAL_SHARE of the memory available. Linux overcommits, so an allocation beyond the
+    machine's memory succeeds and the kernel's OOM killer ends the process (or a neighbour) once it is touched;
+    under the cap it fails at once, as torch's out-of-memory error, and `within_memory` can tell."""
+    status = Path("/proc/self/status")
+    if device.type != "cpu" or not status.is_file():
+        yield
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    used = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith("VmData:"))
+    cap = used + int(psutil.virtual_memory().available * TRIAL_SHARE)
+    cap = min([cap] + [limit for limit in (soft, hard) if limit != resource.RLIM_INFINITY])
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

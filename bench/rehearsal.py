@@ -332,6 +332,39 @@ def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: i
     return result
 
 
+def markdown(files: list[Path]) -> str:
+    """The measured rows of rehearsal JSON files as one Markdown table, and each run's phases."""
+    lines = ["| stand-in | command | wall s | peak RSS MiB | on disk MiB | note |", "|---|---|---:|---:|---:|---|"]
+    notes = []
+    for file in files:
+        result = json.loads(file.read_text())
+        load = ", ".join(f"{v:.1f}" for v in result["load_before"])
+        for name in ("femnist", "stackoverflow"):
+            if name not in result:
+                continue
+            info = result[name]["standin"]
+            what = (f"{name} {info['clients']:,} {'writers' if name == 'femnist' else 'users'}, "
+                    f"{info['samples']:,} {'images' if name == 'femnist' else 'sentences'}"
+                    + (f", {info['tokens'] / 1e6:.1f}M tokens" if "tokens" in info else "")
+                    + f" ({info['bytes'] / MiB:.0f} MiB parquet; load {load})")
+            for row in result[name]["rows"]:
+                lines.append(f"| {what} | {row['command']} | {row['seconds']:.1f} | {row['peak_rss'] / MiB:.0f} | "
+                             f"{row['disk_bytes'] / MiB:.1f} | {row['note']} |")
+                what = ""
+            if "phases" in result[name]:
+                where = result[name]["phases"]
+                parts = "; ".join(f"{k} {v['seconds']:.1f} s (peak {v['peak_rss'] / MiB:.0f} MiB)"
+                                  for k, v in where["phases"].items())
+                forward = result[name].get("plain_forward")
+                notes.append(f"- {name}, {info['clients']:,} clients: {parts}. Executor timing ~{where['executor_timing_s']} "
+                             f"s, a round {where['round_time_s_median']} s, the stage-end evaluation of every client "
+                             f"{where['evaluation_s']} s over {where['evaluated_samples']:,} samples"
+                             + (f" ({where.get('evaluation_samples_per_s')} samples/s; the plain forward "
+                                f"{forward['samples_per_s']} at batch {forward['best_batch']})" if forward else "")
+                             + ".")
+    return "\n".join(lines + [""] + notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fraction", type=float, default=0.01, help="share of the true sizes (1 = true sizes)")
@@ -347,7 +380,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-run", action="store_true", help="only the data commands (validate, describe)")
     parser.add_argument("--full-build", action="store_true", help="also build Stack Overflow with every user")
+    parser.add_argument("--table", type=Path, nargs="+", default=None, help="print these JSON results as Markdown")
     args = parser.parse_args()
+    if args.table:
+        print(markdown(args.table))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"load {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
     results: dict = {"fraction": args.fraction, "users": args.users, "load_before": os.getloadavg()}

@@ -179,3 +179,23 @@ def test_timing_past_its_budget_drops_clear_losers_by_their_warm_up_and_stops_af
     choice, seconds = timing.fastest(list(cost), run, torch.device("cpu"), repeats=3)
     assert calls == ["fast", "slow", "close", "fast", "close"]
     assert choice in ("fast", "close") and set(seconds) == set(cost) and seconds["slow"] >= 0.2
+
+
+def test_the_evaluation_batch_search_stops_where_a_larger_batch_no_longer_pays(monkeypatch):
+    """A per-sample cost that is flat past 64 (a CNN on the CPU): the search stops after 128 and keeps 64, instead
+    of going on to 16384, whose activations would be the evaluation's peak memory."""
+    from fedpilot.engine import evaluate
+
+    rates = {16: 5.0, 32: 3.0, 64: 2.0, **{b: 1.98 - b * 1e-6 for b in evaluate.FORWARD_BATCHES[3:]}}
+    sizes: list[int] = []
+
+    def best_time(run, device, repeats=3):
+        sizes.clear()
+        run()
+        return rates[sizes[0]] * sum(sizes)
+
+    monkeypatch.setattr(evaluate, "_forward_batch", {})
+    monkeypatch.setattr(evaluate, "best_time", best_time)
+    inputs = torch.zeros(20000, 1)
+    evaluate.in_batches(torch.nn.Linear(1, 1), lambda x: sizes.append(len(x)) or x, inputs)
+    assert evaluate._forward_batch[next(iter(evaluate._forward_batch))] == (64, float("inf"))

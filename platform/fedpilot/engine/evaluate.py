@@ -86,6 +86,7 @@ def _flat(model: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], task:
 
 FORWARD_BATCHES = tuple(2**i for i in range(4, 15))  # 16 ... 16384
 TIMED_SAMPLES = 256  # each smaller candidate batch is timed over this many samples
+GAIN = 0.95  # a larger batch is tried only while each one costs at least 5% less per sample than the best
 _forward_batch: dict[tuple, tuple[int, float]] = {}  # per architecture and input: (batch, largest batch tried)
 
 
@@ -101,7 +102,8 @@ def in_batches(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor],
 
 def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> int:
     """The batch of FORWARD_BATCHES with the least seconds per sample (over max(batch, TIMED_SAMPLES) samples),
-    tried from the smallest up until one is 20% slower than the best, runs out of memory, or the inputs run out;
+    tried from the smallest up until one is not GAIN faster than the best (a flat per-sample cost would otherwise
+    take the search, and the activations' memory, to the largest batch), runs out of memory, or the inputs run out;
     measured once per process for an architecture and input shape (again only when later inputs allow larger
     batches than an unfinished search could try)."""
     key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
@@ -123,10 +125,9 @@ def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Ten
             tried = FORWARD_BATCHES[-1]  # no larger batch is tried again
             break
         rate, tried = seconds / len(timed), size
-        if rate < best_rate:
-            best, best_rate = size, rate
-        elif rate > 1.2 * best_rate:
+        if rate >= GAIN * best_rate:  # past the knee: larger batches only cost memory (and the search's time)
             break
+        best, best_rate = size, rate
     finished = tried == FORWARD_BATCHES[-1] or best < tried
     _forward_batch[key] = (best, float("inf") if finished else tried)
     return best
@@ -191,12 +192,19 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
         outputs = vmap(apply)(personal, xb)
     else:
         per_client: list[torch.Tensor | None] = [None] * len(sizes)
+        counts = sizes.tolist()
 
-        def client(k: int, net: nn.Module) -> None:
-            per_client[k] = apply({n: v[k] for n, v in personal.items()}, xb[k], net)
+        def client(k: int, net: nn.Module) -> None:  # its own samples only: no forward pass over the padding
+            if counts[k]:
+                per_client[k] = apply({n: v[k] for n, v in personal.items()}, xb[k, : counts[k]], net)
 
         for_each_client(module, client, len(sizes), source.device)
-        outputs = torch.stack(per_client)
+        shape = next(o for o in per_client if o is not None).shape[1:]
+        outputs = torch.zeros(len(sizes), width, *shape, dtype=next(o for o in per_client if o is not None).dtype,
+                              device=source.device)
+        for k, out in enumerate(per_client):
+            if out is not None:
+                outputs[k, : len(out)] = out
     shape = yb.shape[:2]
     return {m: (total.view(shape) * mask, units.view(shape) * mask)
             for m, (total, units) in task.scores(outputs.flatten(0, 1), yb.flatten(0, 1)).items()}

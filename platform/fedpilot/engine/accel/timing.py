@@ -17,7 +17,7 @@ from fedpilot.engine.accel.memory import release_freed_memory
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
 WARM_OUT = 2.0
-TRIAL_SHARE = 0.8  # of the memory available, what a timing trial on the CPU may add (the rest: other processes)
+TRIAL_SHARE = 0.5  # of the memory available, what a timing trial on the CPU may add (the rest: other processes)
 
 
 def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:

@@ -57,8 +57,10 @@ def read_plays(archive: str, keep: list[str] | None) -> dict[str, str]:
         texts = {f.name: f.read_text(errors="replace") for f in sorted(path.glob(f"*{PLAY_SUFFIX}"))}
     elif path.is_file() and tarfile.is_tarfile(path):
         with tarfile.open(path) as tar:
-            members = sorted((m for m in tar.getmembers() if m.name.endswith(PLAY_SUFFIX)), key=lambda m: m.name)
-            texts = {Path(m.name).name: tar.extractfile(m).read().decode(errors="replace") for m in members}
+            # in the archive's order: a gzip stream read out of order is decompressed again from its start
+            found = sorted((m.name, tar.extractfile(m).read().decode(errors="replace"))
+                           for m in tar if m.name.endswith(PLAY_SUFFIX))
+            texts = {Path(name).name: text for name, text in found}
     else:
         raise SpecError("dataset.source.archive", archive, f"neither {ARCHIVE} nor a folder of *{PLAY_SUFFIX} plays")
     plays = {name.removesuffix(PLAY_SUFFIX): text for name, text in texts.items()}

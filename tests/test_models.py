@@ -29,7 +29,7 @@ SMALL = {
 }
 TOKENS = {"transformer", "char_lstm", "text_classifier"}
 SEQUENCE_OUTPUTS = {"transformer", "char_lstm"}  # logits at every position
-ADAPTABLE = [n for n in MODELS if n not in ("logreg", "char_lstm")]
+ADAPTABLE = [n for n in MODELS if n != "logreg"]
 
 
 def block(name: str, index: int) -> set[str]:
@@ -154,6 +154,9 @@ def test_adapter_placement():
     assert adapters["transformer"] == ["body.1.adapter_attn", "body.1.adapter_mlp", "body.2.adapter_attn",
                                        "body.2.adapter_mlp"]
     assert isinstance(resnet.body[3].adapter.down, nn.Conv2d) and isinstance(lm.body[1].adapter_mlp.up, nn.Linear)
+    lstm = small("char_lstm")
+    apply_split(lstm, "adapters")
+    assert [n for n, a in lstm.named_modules() if isinstance(a, Adapter)] == ["body.adapter"]  # after the LSTM
 
 
 def test_regex_split_and_param_split_helpers():

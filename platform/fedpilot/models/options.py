@@ -196,7 +196,7 @@ class CharLstmOptions(TokenOptions):
     layers: PositiveInt = 2
 
     def adapter_places(self) -> bool:
-        return False  # an LSTM over embeddings: no block or hidden layer takes one
+        return True  # after the LSTM's last layer
 
 
 class TextClassifierOptions(TokenOptions):
@@ -215,7 +215,7 @@ class TextClassifierOptions(TokenOptions):
         return self
 
     def adapter_places(self) -> bool:
-        return self.encoder == "transformer" and self.n_layers > 0
+        return self.n_layers > 0  # in each transformer block, or after the LSTM's last layer
 
 
 SCHEMAS: dict[str, type[ModelOptions]] = {

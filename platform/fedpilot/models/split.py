@@ -11,7 +11,7 @@ from torch import nn
 
 from fedpilot.errors import SpecError
 from fedpilot.models.options import PRESETS
-from fedpilot.models.zoo import BasicBlock, Block
+from fedpilot.models.zoo import BasicBlock, Block, Recurrent
 
 
 class Adapter(nn.Module):
@@ -131,7 +131,7 @@ def insert_adapters(model: nn.Module, bottleneck: int) -> None:
 
     Houlsby adapters after attention and after the MLP of each transformer block; a Rebuffi (1x1 conv)
     adapter after each residual block and after each conv+ReLU+max-pool stage; a bottleneck adapter after
-    each hidden Linear+ReLU.
+    each hidden Linear+ReLU and after an LSTM's last layer.
     """
     like = next(model.parameters())
 
@@ -144,6 +144,8 @@ def insert_adapters(model: nn.Module, bottleneck: int) -> None:
             module.adapter_attn, module.adapter_mlp = adapter(dim, False), adapter(dim, False)
         elif isinstance(module, BasicBlock):
             module.adapter = adapter(module.conv2.out_channels, True)
+        elif isinstance(module, Recurrent):
+            module.adapter = adapter(module.lstm.hidden_size, False)
     if not isinstance(model.body, nn.Sequential):
         return
     previous, channels = None, 0

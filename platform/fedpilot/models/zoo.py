@@ -201,15 +201,17 @@ def _block_presets(n_layers: int) -> dict[str, list[str]]:
 
 
 class Recurrent(nn.Module):
-    """A stacked LSTM over embedded tokens: [B, T] -> [B, T, hidden]."""
+    """A stacked LSTM over embedded tokens: [B, T] -> [B, T, hidden]; `adapter` is where a bottleneck adapter on
+    the LSTM's outputs goes (ParamSplit "adapters": nn.LSTM fuses its layers, so there is no slot between them)."""
 
     def __init__(self, vocab: int, embed_dim: int, hidden: int, layers: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, embed_dim)
         self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
+        self.adapter: nn.Module = nn.Identity()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.lstm(self.embed(idx))[0]
+        return self.adapter(self.lstm(self.embed(idx))[0])
 
 
 @takes(CharLstmOptions)

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -144,6 +145,7 @@ class Measured:
     samples: list[tuple[float, int]] = field(default_factory=list)
     output: str = ""
     rc: int = 0
+    cpu_seconds: float = 0.0  # user + system, all threads: what the load of other processes does not stretch
 
 
 def tree_rss(pid: int) -> int:
@@ -165,6 +167,7 @@ def tree_rss(pid: int) -> int:
 def measure(name: str, command: list[str], env: dict[str, str], interval: float = 0.1) -> Measured:
     """Run `command`, sampling its tree's RSS every `interval` s; its stdout and stderr kept."""
     result = Measured(name, command)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     proc = subprocess.Popen(command, cwd=env["REHEARSAL_DIR"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
@@ -181,6 +184,8 @@ def measure(name: str, command: list[str], env: dict[str, str], interval: float 
     done.set()
     watcher.join()
     result.seconds, result.rc = time.time() - start, proc.returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result.cpu_seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if proc.returncode != 0:
         print(result.output[-3000:], file=sys.stderr)
         raise SystemExit(f"{name}: {' '.join(command)} exited {proc.returncode}")
@@ -296,9 +301,11 @@ def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: i
     rows = []
 
     def row(measured: Measured, on_disk: int, note: str = "") -> None:
-        rows.append({"command": measured.name, "seconds": round(measured.seconds, 2), "peak_rss": measured.peak_rss,
+        rows.append({"command": measured.name, "seconds": round(measured.seconds, 2),
+                     "cpu_seconds": round(measured.cpu_seconds, 1), "peak_rss": measured.peak_rss,
                      "disk_bytes": on_disk, "note": note})
-        print(f"  {measured.name:<34} {measured.seconds:8.1f} s  {measured.peak_rss / MiB:8.0f} MiB  "
+        print(f"  {measured.name:<34} {measured.seconds:8.1f} s ({measured.cpu_seconds:7.1f} CPU s)  "
+              f"{measured.peak_rss / MiB:8.0f} MiB  "
               f"{on_disk / MiB:8.1f} MiB  {note}", flush=True)
 
     data_disk = lambda: disk_bytes(cache / "data") + disk_bytes(hf_cache)  # noqa: E731
@@ -334,7 +341,8 @@ def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: i
 
 def markdown(files: list[Path]) -> str:
     """The measured rows of rehearsal JSON files as one Markdown table, and each run's phases."""
-    lines = ["| stand-in | command | wall s | peak RSS MiB | on disk MiB | note |", "|---|---|---:|---:|---:|---|"]
+    lines = ["| stand-in | command | wall s | CPU s | peak RSS MiB | on disk MiB | note |",
+             "|---|---|---:|---:|---:|---:|---|"]
     notes = []
     for file in files:
         result = json.loads(file.read_text())
@@ -348,7 +356,8 @@ def markdown(files: list[Path]) -> str:
                     + (f", {info['tokens'] / 1e6:.1f}M tokens" if "tokens" in info else "")
                     + f" ({info['bytes'] / MiB:.0f} MiB parquet; load {load})")
             for row in result[name]["rows"]:
-                lines.append(f"| {what} | {row['command']} | {row['seconds']:.1f} | {row['peak_rss'] / MiB:.0f} | "
+                cpu = f"{row['cpu_seconds']:.0f}" if "cpu_seconds" in row else "-"
+                lines.append(f"| {what} | {row['command']} | {row['seconds']:.1f} | {cpu} | {row['peak_rss'] / MiB:.0f} | "
                              f"{row['disk_bytes'] / MiB:.1f} | {row['note']} |")
                 what = ""
             if "phases" in result[name]:
@@ -363,6 +372,19 @@ def markdown(files: list[Path]) -> str:
                                 f"{forward['samples_per_s']} at batch {forward['best_batch']})" if forward else "")
                              + ".")
     return "\n".join(lines + [""] + notes)
+
+
+def written(folder: Path, write, *args) -> dict:
+    """A stand-in's description: the one saved beside its files (written before with the same arguments), else
+    the stand-in written now."""
+    saved = folder / "standin.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    start = time.time()
+    info = write(folder, *args)
+    info.update(write_seconds=round(time.time() - start, 1), bytes=disk_bytes(folder))
+    saved.write_text(json.dumps(info))
+    return info
 
 
 def main() -> None:
@@ -390,9 +412,7 @@ def main() -> None:
     results: dict = {"fraction": args.fraction, "users": args.users, "load_before": os.getloadavg()}
     if args.only in (None, "femnist"):
         writers = args.users or max(10, round(FEMNIST["writers"] * args.fraction))
-        start = time.time()
-        info = write_femnist(args.out / "femnist-standin" / f"{writers}", writers, args.seed)
-        info.update(write_seconds=round(time.time() - start, 1), bytes=disk_bytes(Path(info["path"]).parent))
+        info = written(args.out / "femnist-standin" / f"{writers}-seed{args.seed}", write_femnist, writers, args.seed)
         print(f"FEMNIST stand-in: {info}", flush=True)
         results["femnist"] = rehearse("femnist", info, ROOT / "pipelines" / "femnist-fedalt.yaml",
                                       [f"model={args.femnist_model}"], min(1114, info["eligible"]), args.out,
@@ -403,10 +423,8 @@ def main() -> None:
                   f"evaluation: {results['femnist']['phases'].get('evaluation_samples_per_s')} samples/s")
     if args.only in (None, "stackoverflow"):
         users = args.users or max(20, round(SO["users"] * args.fraction))
-        start = time.time()
-        info = write_stackoverflow(args.out / "so-standin" / f"{users}", users, args.seed,
-                                   at_least=100 if args.users else 1)
-        info.update(write_seconds=round(time.time() - start, 1), bytes=disk_bytes(Path(info["path"]).parent))
+        info = written(args.out / "so-standin" / f"{users}-seed{args.seed}-{'kept' if args.users else 'all'}",
+                       write_stackoverflow, users, args.seed, 100 if args.users else 1)
         print(f"Stack Overflow stand-in: {info}", flush=True)
         results["stackoverflow"] = rehearse("stackoverflow", info, ROOT / "pipelines" / "stackoverflow-fedalt.yaml",
                                             [], min(1000, info["eligible"]), args.out, 0 if args.skip_run else args.so_rounds or args.rounds,

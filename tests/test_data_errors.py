@@ -18,7 +18,7 @@ DIGITS = {"kind": "digits"}
 
 @pytest.mark.parametrize(("dataset", "message"), [
     ({"source": {"kind": "digit"}}, r"^dataset.source.kind='digit': unknown source kind \(allowed: synthetic, "
-                                    r"digits, sklearn, shakespeare, hf\); did you mean 'digits'\?"),
+                                    r"digits, sklearn, shakespeare, hf, shifted_digits\); did you mean 'digits'\?"),
     ({"source": {}}, r"dataset.source.kind=None: unknown source kind"),
     ({"sorce": DIGITS}, r"^dataset.sorce=\{'kind': 'digits'\}: unknown key.*did you mean 'source'"),
     ({"source": {"kind": "hf", "feature": "image", "label": "y"}}, r"^dataset.source.path=None: required"),

@@ -119,7 +119,7 @@ def pipelines(parts: Parts, args: argparse.Namespace, store: Path) -> None:
         commands.append([sys.executable, "-m", "fedpilot.cli", "run", str(ROOT / "pipelines" / f"{name}.yaml"),
                          "--no-progress", f"device={args.device}", *overrides, *extra])
     parts.env["MLFLOW_TRACKING_URI"] = f"sqlite:///{store / 'mlflow.db'}"
-    parts.run("pipelines", commands, "runs.log", 90 if args.quick else 200)
+    parts.run("pipelines", commands, "runs.log", 200)
     del parts.env["MLFLOW_TRACKING_URI"]
 
 
@@ -137,9 +137,9 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
                  "--eval-sizes", "1000000", "--rounds", "12", "--warmup", "2", "--timeout", "120"]
     parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device, "--no-peers",
                            "--no-scaling", "--no-scale", "--no-first-step", *compare,
-                           "--json", str(out / "compare.json")]], "compare.log", 60 if args.quick else 200)
+                           "--json", str(out / "compare.json")]], "compare.log", 150 if args.quick else 200)
     parts.run("scale", [[sys.executable, "-W", "ignore", "bench/scale.py", "--device", args.device, *scale,
-                         "--json", str(out / "scale.json")]], "scale.log", 60 if args.quick else 150)
+                         "--json", str(out / "scale.json")]], "scale.log", 150)
 
 
 def main() -> None:
@@ -159,7 +159,7 @@ def main() -> None:
         facts = device_facts(parts, args.device, args.quick)
         tests = QUICK_TESTS if args.quick else TESTS
         parts.run("engine tests", [[sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-                                    *tests]], "tests.log", 120 if args.quick else 200)
+                                    *tests]], "tests.log", 200)
         pipelines(parts, args, Path(scratch))
         benches(parts, args)
     summary = {"device": args.device, "quick": args.quick, "facts": facts, "parts": parts.records,

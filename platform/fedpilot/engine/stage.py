@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from fedpilot.engine.accel import AUTO, choose, executor_candidates
 from fedpilot.engine.accel.memory import data_fits, release_freed_memory
-from fedpilot.engine.accel.timing import fastest
+from fedpilot.engine.accel.timing import TRIAL_STEPS, fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -231,32 +231,35 @@ class FederatedStage(L.LightningModule):
         return self._executors[key]
 
     def choose_executor(self, round_idx: int) -> None:
-        """Time each candidate executor on the local work of the round's first chunk of clients (thrown away:
-        nothing is written and the random state is restored) and keep the fastest for the stage. bf16 is never a
-        candidate: it changes the numbers; `precision: bf16-mixed` times the candidates under bf16. Under DDP
-        every process takes rank 0's choice."""
-        clients = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
-        rows = slice(0, len(clients))
-        work, shared = self.round_work(round_idx, clients), self.shared_params()
-        personal, init = self.bank.get(clients), {n: v.to(self.device) for n, v in self.personal_init.items()}
-        state = self.state_bank.get(clients)
-
-        def local_work(name: str) -> None:
-            mine = {n: v.clone() for n, v in personal.items()}, {n: v.clone() for n, v in state.items()}
-            executor, head_executor = self.executors(name, timed=False)
-            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor), clients, rows, clients,
-                            shared, mine[0], init, mine[1])
-            self.algorithm.local_update(cohort)
-
+        """Time the candidate executors on the first TRIAL_STEPS steps of every local phase of the round's first
+        chunk of clients (thrown away: nothing is written and the random state is restored) and keep the fastest
+        for the stage. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed` times the
+        candidates under bf16. Under DDP every process takes rank 0's choice."""
+        chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            choice, self.executor_seconds = fastest(executor_candidates(self.model, self.device), local_work,
-                                                    self.device)
+            choice, self.executor_seconds = fastest(executor_candidates(self.model, self.device),
+                                                    self.trial(round_idx, chunk), self.device)
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         if distributed():
             shared_choice = [choice, self.executor_seconds]
             dist.broadcast_object_list(shared_choice, src=0)
             choice, self.executor_seconds = shared_choice
         self.execution = choice
+
+    def trial(self, round_idx: int, clients: torch.Tensor) -> Callable[[str], None]:
+        """run(executor name): the round's local work of `clients` as one chunk, TRIAL_STEPS steps a phase, on
+        copies of their banks' rows (what it computes is thrown away)."""
+        work = replace(self.round_work(round_idx, clients), step_cap=TRIAL_STEPS, plans={})
+        shared, init = self.shared_params(), {n: v.to(self.device) for n, v in self.personal_init.items()}
+        personal, state, rows = self.bank.get(clients), self.state_bank.get(clients), slice(0, len(clients))
+
+        def run(name: str) -> None:
+            executor, head_executor = self.executors(name, timed=False)
+            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor), clients, rows, clients,
+                            shared, {n: v.clone() for n, v in personal.items()}, init,
+                            {n: v.clone() for n, v in state.items()})
+            self.algorithm.local_update(cohort)
+        return run
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
         """Local work of the whole cohort (in chunks), aggregation, one server optimizer step.

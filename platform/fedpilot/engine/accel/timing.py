@@ -17,6 +17,7 @@ from fedpilot.engine.accel.memory import release_freed_memory
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
 WARM_OUT = 2.0
+TRIAL_STEPS = 3  # steps of each local phase in an executor trial: a step's cost shows, the whole round's need not
 TRIAL_SHARE = 0.5  # of the memory available, what a timing trial on the CPU may add (the rest: other processes)
 
 

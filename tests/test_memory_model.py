@@ -1,4 +1,4 @@
-"""Paper 000's memory model (App. B.4): its own Table 10 for EMNIST, and what a stage records."""
+"""The memory model of Pillutla et al. (ICML 2022, App. B.4): its Table 10 for EMNIST, and what a stage records."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Paper 000's claims through the engine, on problems small enough for the suite: FedAlt beats FedSim in the regime
-its analysis names (Sec. 3.3), and partial personalization gets most of full personalization's gain (Sec. 4).
+"""Pillutla et al. (ICML 2022)'s claims through the engine, on problems small enough for the suite: FedAlt
+beats FedSim in the regime its analysis names (Sec. 3.3), and partial personalization gets most of full
+personalization's gain (Sec. 4).
 
 (The other papers' claims are tested with their algorithms: PFLEGO's exact SGD step in expectation in
 test_algo_pflego.py, Self-FL's posterior on the scalar problem in test_algo_selffl.py, pFedGate's per-index

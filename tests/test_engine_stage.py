@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -19,10 +20,10 @@ HEAD = ["head.weight", "head.bias"]
 
 
 def make_stage(rounds: int = 6, algo: str = "fedalt", server: ServerConfig | None = None,
-               personal: list[str] = HEAD) -> FederatedStage:
+               personal: list[str] = HEAD, execution: str = "auto") -> FederatedStage:
     torch.manual_seed(0)
     cfg = StageConfig(rounds=rounds, clients_per_round=5, local=LocalConfig(epochs=1, batch_size=4, lr=0.1),
-                      server=server or ServerConfig(lr=0.7, momentum=0.9), eval_every=2)
+                      server=server or ServerConfig(lr=0.7, momentum=0.9), eval_every=2, execution=execution)
     return stage_for(TinyMLP(), personal, ToyData(), build_algorithm(algo), cfg, seed=1)
 
 
@@ -32,15 +33,17 @@ def state(stage: FederatedStage) -> dict:
 
 
 def test_resume_mid_stage_gives_identical_parameters(tmp_path):
-    """Bit-identical, on the device under test (FEDPILOT_TEST_DEVICE) too."""
-    full = make_stage()
+    """Bit-identical, on the device under test (FEDPILOT_TEST_DEVICE) too. One executor for the three runs: with
+    `auto` the uninterrupted and the interrupted run each time the candidates and may keep different ones, whose
+    numbers agree to float tolerance, not bit for bit (a resumed run keeps its own run's choice: the next test)."""
+    full = make_stage(execution="vmap")
     fit(full)
     on = accelerator(device_under_test())
-    interrupted = make_stage()
+    interrupted = make_stage(execution="vmap")
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
     L.Trainer(max_steps=3, logger=False, callbacks=[ckpt], enable_progress_bar=False,
               enable_model_summary=False, **on).fit(interrupted)
-    resumed = make_stage()
+    resumed = make_stage(execution="vmap")
     L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, **on).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
     expected, got = state(full), state(resumed)
@@ -48,6 +51,20 @@ def test_resume_mid_stage_gives_identical_parameters(tmp_path):
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
     assert not torch.equal(state(interrupted)["model.body.1.weight"], expected["model.body.1.weight"])
+
+
+def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(tmp_path, monkeypatch):
+    interrupted = make_stage()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
+    L.Trainer(max_steps=2, logger=False, callbacks=[ckpt], enable_progress_bar=False,
+              enable_model_summary=False).fit(interrupted)
+    assert interrupted.execution != "auto" and interrupted.executor_seconds
+    resumed = make_stage()
+    monkeypatch.setattr(FederatedStage, "choose_executor", lambda *a: pytest.fail("timed again on resume"))
+    L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.execution == interrupted.execution
+    assert resumed.executor_seconds == interrupted.executor_seconds
 
 
 def test_cohort_is_seeded_uniform_without_replacement():

@@ -126,8 +126,7 @@ def _layers(model: nn.Module, calls: list[tuple[str, nn.Module]]) -> list[Layer]
         out, inp = (m.out_channels, m.in_channels) if conv else (m.out_features, m.in_features)
         units, repeat = inp, 1
         if k > 0:
-            before = owners[k - 1][2]
-            units = before.out_channels if isinstance(before, nn.Conv2d) else before.out_features
+            before, units = owners[k - 1][2], layers[-1][1]  # the previous layer's out units
             repeat = inp // units
             if inp % units or (repeat > 1 and (conv or not isinstance(before, nn.Conv2d))):
                 raise refuse(f"{name} takes {inp} inputs from the {units} units of {owners[k - 1][1]}")

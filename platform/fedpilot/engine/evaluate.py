@@ -199,9 +199,8 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
                 per_client[k] = apply({n: v[k] for n, v in personal.items()}, xb[k, : counts[k]], net)
 
         for_each_client(module, client, len(sizes), source.device)
-        shape = next(o for o in per_client if o is not None).shape[1:]
-        outputs = torch.zeros(len(sizes), width, *shape, dtype=next(o for o in per_client if o is not None).dtype,
-                              device=source.device)
+        some = next(o for o in per_client if o is not None)
+        outputs = torch.zeros(len(sizes), width, *some.shape[1:], dtype=some.dtype, device=source.device)
         for k, out in enumerate(per_client):
             if out is not None:
                 outputs[k, : len(out)] = out

@@ -249,7 +249,7 @@ class FederatedStage(L.LightningModule):
     def trial(self, round_idx: int, clients: torch.Tensor) -> Callable[[str], None]:
         """run(executor name): the round's local work of `clients` as one chunk, TRIAL_STEPS steps a phase, on
         copies of their banks' rows (what it computes is thrown away)."""
-        work = replace(self.round_work(round_idx, clients), step_cap=TRIAL_STEPS, plans={})
+        work = replace(self.round_work(round_idx, clients), step_cap=TRIAL_STEPS)
         shared, init = self.shared_params(), {n: v.to(self.device) for n, v in self.personal_init.items()}
         personal, state, rows = self.bank.get(clients), self.state_bank.get(clients), slice(0, len(clients))
 

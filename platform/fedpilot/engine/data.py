@@ -70,11 +70,11 @@ class ClientData:
 
     def inputs(self, rows: torch.Tensor) -> torch.Tensor:
         """Model inputs of stored `rows` [..., *sample shape] (on the rows' device)."""
-        if self.scale is not None:
-            rows = rows.to(torch.float32) * self.scale
+        if self.scale is not None:  # stored pixels: the float copy is this call's own, worked on in place
+            rows = rows.to(torch.float32).mul_(self.scale)
         if self.mean is not None:
-            mean, std = self.mean.to(rows.device), self.std.to(rows.device)
-            rows = (rows - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
+            mean, std = self.mean.to(rows.device).view(-1, 1, 1), self.std.to(rows.device).view(-1, 1, 1)
+            rows = (rows.sub_(mean) if self.scale is not None else rows - mean).div_(std)
         return rows
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpilot.engine.accel import choose
-from fedpilot.engine.accel.memory import keep_freed_memory
+from fedpilot.engine.accel.memory import keep_freed_memory, release_freed_memory
 from fedpilot.engine.accel.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.accel.timing import best_time, within_memory
@@ -77,6 +77,7 @@ def _flat(model: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], task:
     sums = {m: (torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device),
                 torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device)) for m in task.metrics}
     for i in range(0, count, max_samples):
+        release_freed_memory()  # see `_per_client`
         inputs, labels = rows_at(i, i + max_samples)
         for metric, (total, units) in task.scores(in_batches(model, apply, inputs), labels).items():  # per sample
             sums[metric][0].index_add_(0, owner[i : i + max_samples], total.double())
@@ -146,6 +147,9 @@ def _per_client(module: nn.Module, forward: Forward, task: Task, fixed: Params,
     starts = torch.cumsum(sizes, 0) - sizes
     results = {m: torch.full((len(sizes),), float("nan"), device=sizes.device) for m in task.metrics}
     for clients in _chunks(sizes, max_samples):
+        # Chunks differ in size, and the host allocator keeps freed memory (keep_freed_memory, for the rounds)
+        # without reusing all of it: handed back before each chunk, memory stays flat in the number of chunks.
+        release_freed_memory()
         first, last = int(starts[clients[0]]), int(starts[clients[-1]] + sizes[clients[-1]])
         if last == first:  # none of these clients has samples in the split: NaN
             continue

@@ -72,8 +72,8 @@ def main() -> None:
         if off > 0.05 * moved:  # rounding differs between layouts and vmap (up to ~4% measured); a wrong step ~100%
             raise SystemExit(f"{name}: clients' weights differ from the loop's by {off:.3g} (the steps moved {moved:.3g})")
 
-    _, seconds = fastest(candidates, lambda name: local_steps(name, model, shared, heads, x, y), device,
-                         repeats=args.repeats, out_of_the_running=float("inf"))
+    seconds = fastest(candidates, lambda name: local_steps(name, model, shared, heads, x, y), device,
+                      repeats=args.repeats, out_of_the_running=float("inf")).seconds
     start = "the same body, each client's own head" if heads else "the same weights"
     print(f"\n## {args.steps} local step(s) of {args.clients} CNN clients at batch {args.batch} from {start} "
           f"({device}, {torch.get_num_threads()} threads; best of {args.repeats}, executors taking turns)\n")

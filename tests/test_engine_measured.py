@@ -3,6 +3,8 @@ batch. The timings are replaced by given ones where a test checks the choice, so
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -64,7 +66,7 @@ def test_each_pooling_signature_is_measured_once(monkeypatch):
         timed.append(tuple(candidates))
         for name in candidates:
             run(name)
-        return "channels_last", {}
+        return timing.Timed("channels_last", {}, {})
 
     monkeypatch.setattr(pooling, "fastest", fastest)
     monkeypatch.setattr(pooling, "_channels_last_faster", {})
@@ -85,9 +87,36 @@ def test_candidates_take_turns_after_a_warm_up_each_and_a_clear_loser_drops_out(
         return cost[calls[-1]].pop(0)
 
     monkeypatch.setattr(timing, "best_time", best_time)
-    choice, seconds = fastest(["a", "b", "c"], calls.append, torch.device("cpu"), repeats=3)
+    choice, seconds, _ = fastest(["a", "b", "c"], calls.append, torch.device("cpu"), repeats=3)
     assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["a", "b"] * 2  # c: 1.6 > 1.5 x 1.0 after the first turn
     assert choice == "a" and seconds == {"a": 0.9, "b": 0.95, "c": 1.6}
+
+
+@pytest.mark.parametrize(("times", "peaks", "expected"), [
+    ({"a": [1.0], "b": [1.04]}, {"a": 1500, "b": 1000}, "b"),  # 4% in one turn: noise; b saves a third
+    ({"a": [1.0, 1.01, 0.99], "b": [1.04, 1.05, 1.03]}, {"a": 1500, "b": 1000}, "a"),  # faster in every turn
+    ({"a": [1.0], "b": [1.3]}, {"a": 1500, "b": 1000}, "a"),  # more than SAME_SPEED faster
+    ({"a": [1.0], "b": [1.04]}, {"a": 1500, "b": 1400}, "a"),  # b saves less than MATERIAL_MEMORY
+    ({"a": [1.0], "b": [1.04], "c": [1.1]}, {"a": 1500, "b": 1000, "c": 900}, "c"),  # the leanest of the close
+    ({"a": [1.0], "b": [1.04]}, {}, "a"),  # memory not measured: the fastest
+])
+def test_a_leaner_candidate_is_kept_where_the_fastest_is_not_believably_faster(times, peaks, expected):
+    assert timing.kept(times, peaks) == expected
+
+
+def test_memory_weighs_in_the_timing_where_asked(monkeypatch):
+    """`big` holds 256 MiB while it runs and is at most 5% faster (one turn): the measured peaks keep `small`."""
+    held = {"big": 0.06, "small": 0.063}
+
+    def run(name: str) -> None:
+        block = torch.ones(64 * 2**20) if name == "big" else None  # 256 MiB, touched
+        time.sleep(held[name])
+        del block
+
+    choice, seconds, peaks = fastest(["big", "small"], run, torch.device("cpu"), repeats=1, weigh_memory=True)
+    assert peaks["big"] - peaks["small"] > 200 * 2**20 and set(seconds) == {"big", "small"}
+    assert choice == "small"
+    assert fastest(["big", "small"], run, torch.device("cpu"), repeats=1).peak_bytes == {}
 
 
 OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
@@ -105,7 +134,7 @@ def test_a_candidate_that_runs_out_of_memory_is_left_out_of_the_timing(error):
             raise error
 
     with pytest.warns(UserWarning, match="executor candidate 'vmap' ran out of memory on cpu"):
-        choice, seconds = fastest(["vmap", "loop", "loop_channels_last"], run, torch.device("cpu"), repeats=2)
+        choice, seconds, _ = fastest(["vmap", "loop", "loop_channels_last"], run, torch.device("cpu"), repeats=2)
     assert calls.count("vmap") == 1 and choice in ("loop", "loop_channels_last")
     assert set(seconds) == {"loop", "loop_channels_last"}
 

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from fedpilot.engine.accel import AUTO, choose, executor_candidates
 from fedpilot.engine.accel.memory import data_fits, release_freed_memory
-from fedpilot.engine.accel.timing import TRIAL_STEPS, fastest
+from fedpilot.engine.accel.timing import TRIAL_STEPS, Timed, fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -85,6 +85,7 @@ class FederatedStage(L.LightningModule):
         self.execution = config.execution  # "auto" until the first round times the candidates
         self._executors: dict[tuple, tuple[Executor, Executor | None]] = {}  # see executors()
         self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
+        self.executor_peak_bytes: dict[str, int] = {}  # candidate -> peak memory there
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics (step = rounds done); callbacks get round_result
@@ -168,7 +169,8 @@ class FederatedStage(L.LightningModule):
         since the stage started (each save writes only the rows written since the last one)."""
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
                                   "server_state": self.server_state, "execution": self.execution,
-                                  "executor_seconds": self.executor_seconds}
+                                  "executor_seconds": self.executor_seconds,
+                                  "executor_peak_bytes": self.executor_peak_bytes}
         if self.changes_folder is None:
             return
         for name in ("bank", "state_bank"):
@@ -190,6 +192,7 @@ class FederatedStage(L.LightningModule):
         if self.config.execution == AUTO:  # a resumed stage goes on with the executor it chose (same numbers)
             self.execution = saved.get("execution", self.execution)
             self.executor_seconds = dict(saved.get("executor_seconds", {}))
+            self.executor_peak_bytes = dict(saved.get("executor_peak_bytes", {}))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -233,18 +236,19 @@ class FederatedStage(L.LightningModule):
     def choose_executor(self, round_idx: int) -> None:
         """Time the candidate executors on the first TRIAL_STEPS steps of every local phase of the round's first
         chunk of clients (thrown away: nothing is written and the random state is restored) and keep the fastest
-        for the stage. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed` times the
-        candidates under bf16. Under DDP every process takes rank 0's choice."""
+        for the stage, or a leaner one the fastest is not believably faster than (`timing.kept`). bf16 is never a
+        candidate: it changes the numbers; `precision: bf16-mixed` times the candidates under bf16. Under DDP every
+        process takes rank 0's choice."""
         chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            choice, self.executor_seconds = fastest(executor_candidates(self.model, self.device),
-                                                    self.trial(round_idx, chunk), self.device)
+            timed = fastest(executor_candidates(self.model, self.device), self.trial(round_idx, chunk),
+                            self.device, weigh_memory=True)
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         if distributed():
-            shared_choice = [choice, self.executor_seconds]
-            dist.broadcast_object_list(shared_choice, src=0)
-            choice, self.executor_seconds = shared_choice
-        self.execution = choice
+            shared = [timed]
+            dist.broadcast_object_list(shared, src=0)
+            timed = Timed(*shared[0])
+        self.execution, self.executor_seconds, self.executor_peak_bytes = timed
 
     def trial(self, round_idx: int, clients: torch.Tensor) -> Callable[[str], None]:
         """run(executor name): the round's local work of `clients` as one chunk, TRIAL_STEPS steps a phase, on

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.summary import describe
-from fedpilot.engine.accel.memory import PeakMemory
+from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
 from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.errors import StageFailed
@@ -214,6 +214,7 @@ class PipelineRunner:
                 trainer.fit(stage, ckpt_path=str(last) if resuming and last.is_file() else None)
         finally:
             self.rounds_trained += stage.rounds_run
+        release_freed_memory(self.device)  # the rounds' kept buffers: the report starts from the memory in use
         stage.save_changes_in(None)  # the cache keeps every written row: the checkpoints go
         peak = memory.bytes
         self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
@@ -266,7 +267,8 @@ class PipelineRunner:
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
-                     **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()}}
+                     **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()},
+                     **{f"executor_peak_bytes_{n}": v for n, v in stage.executor_peak_bytes.items()}}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)

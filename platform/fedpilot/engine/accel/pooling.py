@@ -59,7 +59,7 @@ def channels_last_is_faster(func: Callable, args: tuple, kwargs: dict) -> bool:
         sample = (x.detach(), *args[1:])
         runs = {"nchw": lambda: func(*sample, **kwargs), "channels_last": lambda: _run_channels_last(func, sample, kwargs)}
         with torch.no_grad():
-            choice, _ = fastest(list(runs), lambda name: runs[name](), x.device)
+            choice = fastest(list(runs), lambda name: runs[name](), x.device).choice
         _channels_last_faster[key] = choice == "channels_last"
     return _channels_last_faster[key]
 

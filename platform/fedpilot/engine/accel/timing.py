@@ -5,20 +5,31 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import psutil
 import torch
 
-from fedpilot.engine.accel.memory import release_freed_memory
+from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
 
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
 WARM_OUT = 2.0
 TRIAL_STEPS = 3  # steps of each local phase in an executor trial: a step's cost shows, the whole round's need not
 TRIAL_SHARE = 0.5  # of the memory available, what a timing trial on the CPU may add (the rest: other processes)
+SAME_SPEED = 1.2  # a speed difference under 20% is believed only when repeated turns confirm it (house rule)
+MATERIAL_MEMORY = 0.1  # memory weighs in where a leaner candidate's peak is lower by a tenth of the fastest's
+
+
+class Timed(NamedTuple):
+    """What `fastest` measured: the candidate kept, each one's seconds and, where memory weighed in, each one's
+    peak memory in its warm-up run (bytes: the process's resident set on a CPU, torch's allocation on a GPU)."""
+
+    choice: str
+    seconds: dict[str, float]
+    peak_bytes: dict[str, int]
 
 
 def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3, warm: bool = True) -> float:
@@ -38,23 +49,29 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3,
     return min(times)
 
 
-def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device,
-            repeats: int = 3, out_of_the_running: float = 1.5) -> tuple[str, dict[str, float]]:
+def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device, repeats: int = 3,
+            out_of_the_running: float = 1.5, weigh_memory: bool = False) -> Timed:
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
     times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
     runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
-    the loop one client's); when all of them do, the first one's error is raised.
+    the loop one client's); when all of them do, the first one's error is raised. With `weigh_memory`, each
+    warm-up's peak memory is measured and a leaner candidate is kept where the fastest is not believably faster
+    (`kept`).
 
     The timing is bounded where the work is large (a federation's first round of a large model): once it has
     taken TIMING_BUDGET_S, a candidate whose warm-up took more than WARM_OUT times the fastest warm-up is out, and
     no turn starts after the budget is spent (at least one timed turn runs)."""
-    start, warm = time.perf_counter(), {}
+    start, warm, peaks = time.perf_counter(), {}, {}
     for name in candidates:
         began = time.perf_counter()
-        if within_memory(lambda name=name: run(name), device)[0]:
+        with PeakMemory(device) if weigh_memory else nullcontext() as memory:
+            fits = within_memory(lambda name=name: run(name), device)[0]
+        if fits:
             warm[name] = time.perf_counter() - began
+            if memory is not None:
+                peaks[name] = memory.bytes
         else:
             warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the "
                           "timing", stacklevel=2)
@@ -73,7 +90,28 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
         if time.perf_counter() - start > TIMING_BUDGET_S:
             break
     seconds = {name: min(t) for name, t in times.items()}
-    return min(seconds, key=seconds.__getitem__), {**{n: w for n, w in warm.items() if n not in seconds}, **seconds}
+    return Timed(kept(times, peaks), {**{n: w for n, w in warm.items() if n not in seconds}, **seconds}, peaks)
+
+
+def kept(times: dict[str, list[float]], peaks: dict[str, int]) -> str:
+    """Of the timed candidates (their seconds turn by turn), the fastest, or else the leanest one that needs
+    MATERIAL_MEMORY less at its peak and that the fastest is not believably faster than: more than SAME_SPEED
+    times, or in each of two or more turns. A few percent of one turn is the machine's noise, not worth the memory
+    of an executor that batches every client's work (`loop_batched_first`, the vmaps)."""
+    fastest_one = min(times, key=lambda name: min(times[name]))
+    if fastest_one not in peaks:
+        return fastest_one
+    leaner = [name for name in times if name in peaks
+              and peaks[name] < (1 - MATERIAL_MEMORY) * peaks[fastest_one]
+              and not believably_faster(times[fastest_one], times[name])]
+    return min(leaner, key=peaks.__getitem__, default=fastest_one)
+
+
+def believably_faster(a: list[float], b: list[float]) -> bool:
+    """Whether turns `a` are faster than turns `b` (seconds of the same turns) beyond doubt: the best more than
+    SAME_SPEED times faster, or each of two or more turns faster."""
+    turns = list(zip(a, b, strict=False))
+    return min(b) > SAME_SPEED * min(a) or (len(turns) >= 2 and all(x < y for x, y in turns))
 
 
 def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T | None]:

@@ -212,8 +212,8 @@ def hydra_value(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def first_stage(pipeline: Path, rounds: int, clients: int) -> str:
-    """`stages=[...]`: the pipeline's first stage only, with `rounds` rounds and at most `clients` a round, its
+def first_stage(pipeline: Path, rounds: int, clients: int, keys: dict) -> str:
+    """`stages=[...]`: the pipeline's first stage only (with `keys` set), `rounds` rounds and at most `clients` a round, its
     gradients clipped at norm CLIP unless it clips them already: the stand-ins' random images are harder than the
     real ones, and FEMNIST's lr 0.5 diverged on them within 20 rounds with one executor's rounding and not another's
     (2026-11-26), which would end the measurement, not say anything about memory or time."""
@@ -222,7 +222,7 @@ def first_stage(pipeline: Path, rounds: int, clients: int) -> str:
     stage = yaml.safe_load(pipeline.read_text())["stages"][0]
     cohort = min(stage.get("clients_per_round", clients), clients)
     local = {"clip_norm": CLIP, **stage.get("local", {})}
-    return "stages=" + hydra_value([{**stage, "rounds": rounds, "clients_per_round": cohort, "local": local}])
+    return "stages=" + hydra_value([{**stage, **keys, "rounds": rounds, "clients_per_round": cohort, "local": local}])
 
 
 def fitted(pipeline: Path, clients: int) -> list[str]:
@@ -293,7 +293,7 @@ def plain_forward(model: str, shape: tuple[int, ...], classes: int, options: dic
 
 
 def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: int, out: Path, rounds: int,
-             full_build: bool) -> dict:  # rounds 0: only the data commands
+             full_build: bool, stage_keys: dict) -> dict:  # rounds 0: only the data commands
     """The commands on one stand-in (`clients` of its clients kept), in a fresh cache and MLflow store under
     `out`."""
     cache, tracking = out / f"{name}-cache", f"sqlite:///{out / f'{name}-mlflow.db'}"
@@ -333,7 +333,7 @@ def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: i
     if not rounds:
         return {"standin": info, "rows": rows, "summary": summary}
     run = measure(f"run: {rounds} rounds + evaluation", [*fedpilot, "run", "--no-progress", str(pipeline), *overrides,
-                                                          first_stage(pipeline, rounds, clients)], env)
+                                                          first_stage(pipeline, rounds, clients, stage_keys)], env)
     run_id = run.output.rsplit("run_id:", 1)[1].split()[0]
     row(run, disk_bytes(cache) + disk_bytes(out / f"{name}-artifacts"), "cache + MLflow artifacts")
     where = phases(run, tracking, run_id)
@@ -410,6 +410,7 @@ def main() -> None:
     parser.add_argument("--femnist-model", default="cnn", help="model of the FEMNIST run (the issue's CNN; the "
                                                                "shipped pipeline names resnet18)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--execution", default=None, help="pin the run's executor (default: the pipeline's, auto)")
     parser.add_argument("--skip-run", action="store_true", help="only the data commands (validate, describe)")
     parser.add_argument("--full-build", action="store_true", help="also build Stack Overflow with every user")
     parser.add_argument("--table", type=Path, nargs="+", default=None, help="print these JSON results as Markdown")
@@ -419,6 +420,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"load {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
+    stage_keys = {"execution": args.execution} if args.execution else {}
     results: dict = {"fraction": args.fraction, "users": args.users, "load_before": os.getloadavg()}
     if args.only in (None, "femnist"):
         writers = args.users or max(10, round(FEMNIST["writers"] * args.fraction))
@@ -426,7 +428,7 @@ def main() -> None:
         print(f"FEMNIST stand-in: {info}", flush=True)
         results["femnist"] = rehearse("femnist", info, ROOT / "pipelines" / "femnist-fedalt.yaml",
                                       [f"model={args.femnist_model}"], min(1114, info["eligible"]), args.out,
-                                      0 if args.skip_run else args.rounds, False)
+                                      0 if args.skip_run else args.rounds, False, stage_keys)
         if not args.skip_run:
             results["femnist"]["plain_forward"] = plain_forward(args.femnist_model, (1, 28, 28), 62)
             print(f"    plain forward of the {args.femnist_model}: {results['femnist']['plain_forward']}; the "
@@ -438,7 +440,7 @@ def main() -> None:
         print(f"Stack Overflow stand-in: {info}", flush=True)
         results["stackoverflow"] = rehearse("stackoverflow", info, ROOT / "pipelines" / "stackoverflow-fedalt.yaml",
                                             [], min(1000, info["eligible"]), args.out, 0 if args.skip_run else args.so_rounds or args.rounds,
-                                            args.full_build)
+                                            args.full_build, stage_keys)
     results["load_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -153,6 +153,7 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
 
 
 def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
+    from fedpilot.engine.accel import executor_candidates
     from fedpilot.engine.accel.timing import TRIAL_STEPS
 
     algorithm = build_algorithm("fedavg")
@@ -173,6 +174,9 @@ def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
     rounds, trials = steps[-4:], steps[:-4]  # 2 rounds of 2 chunks (5 and 3 clients)
     assert [k for k, _ in rounds] == [5, 3, 5, 3] and max(most for _, most in rounds) > TRIAL_STEPS  # not capped
     assert trials and all(k == 5 and most <= TRIAL_STEPS for k, most in trials)
+    warm_ups = len(executor_candidates(stage.model))
+    assert [most for _, most in trials[:warm_ups]] == [1.0] * warm_ups  # each candidate warms up on one step
+    assert max(most for _, most in trials[warm_ups:]) == TRIAL_STEPS
     assert kept_by_the_rule(stage)
 
 

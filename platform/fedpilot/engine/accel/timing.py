@@ -50,24 +50,26 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3,
 
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device, repeats: int = 3,
-            out_of_the_running: float = 1.5, weigh_memory: bool = False) -> Timed:
+            out_of_the_running: float = 1.5, weigh_memory: bool = False,
+            warm_up: Callable[[str], None] | None = None) -> Timed:
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
     times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
     runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
-    the loop one client's); when all of them do, the first one's error is raised. With `weigh_memory`, each
-    warm-up's peak memory is measured and a leaner candidate is kept where the fastest is not believably faster
-    (`kept`).
+    the loop one client's); when all of them do, the first one's error is raised. `warm_up(candidate)`, when
+    given, is the warm-up run: a shorter run of the same work that pays the first call's costs (tracing,
+    allocation) and reaches the same peak memory. With `weigh_memory`, each warm-up's peak memory is measured and
+    a leaner candidate is kept where the fastest is not believably faster (`kept`).
 
     The timing is bounded where the work is large (a federation's first round of a large model): once it has
     taken TIMING_BUDGET_S, a candidate whose warm-up took more than WARM_OUT times the fastest warm-up is out, and
     no turn starts after the budget is spent (at least one timed turn runs)."""
-    start, warm, peaks = time.perf_counter(), {}, {}
+    start, warm, peaks, warm_up = time.perf_counter(), {}, {}, warm_up or run
     for name in candidates:
         began = time.perf_counter()
         with PeakMemory(device) if weigh_memory else nullcontext() as memory:
-            fits = within_memory(lambda name=name: run(name), device)[0]
+            fits = within_memory(lambda name=name: warm_up(name), device)[0]
         if fits:
             warm[name] = time.perf_counter() - began
             if memory is not None:
@@ -76,7 +78,7 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
             warnings.warn(f"executor candidate {name!r} ran out of memory on {device.type}; it is left out of the "
                           "timing", stacklevel=2)
     if not warm:
-        run(candidates[0])  # raises the genuine out-of-memory error (or succeeds, if memory was freed meanwhile)
+        warm_up(candidates[0])  # raises the genuine out-of-memory error (or succeeds, if memory was freed meanwhile)
         warm = {candidates[0]: 0.0}
     running = list(warm)
     if time.perf_counter() - start > TIMING_BUDGET_S:

@@ -19,11 +19,16 @@ from fedpilot.engine.executor import Forward, Params, precision_context
 from fedpilot.engine.task import Scores, Task
 from fedpilot.models.split import ParamSplit
 
+# Samples a chunk of the evaluation holds at once. Resident memory climbs during a chunk's forward passes more than
+# its tensors explain (the host allocator; bench/README.md, 2026-11-27) and comes back between chunks: the chunk
+# bounds it. A larger one gains nothing on the flat path, which runs the measured forward batch anyway.
+CHUNK_SAMPLES = 4096
+
 
 @torch.no_grad()
 def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task: Task, shared: Params,
                      personal_of: Callable[[torch.Tensor], Params], data: ClientData, part: str, execution: str,
-                     clients: torch.Tensor | None = None, max_samples: int = 16384,
+                     clients: torch.Tensor | None = None, max_samples: int = CHUNK_SAMPLES,
                      precision: str = "32-true") -> dict[str, torch.Tensor]:
     """Each of the task's metrics per client of `clients` (default: every client) on the data's split `part`;
     NaN for a client with no samples there.

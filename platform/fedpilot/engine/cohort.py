@@ -73,7 +73,7 @@ class RoundWork:
     def plan(self, cohort_clients: torch.Tensor, phase: int, epochs: float | None, steps) -> BatchPlan:
         """The batch plan of the whole cohort for one local phase, with its samples' augmentations (made once, then
         sliced per chunk)."""
-        key = (phase, epochs, steps if not torch.is_tensor(steps) else tuple(steps.tolist()))
+        key = (phase, epochs, steps if not torch.is_tensor(steps) else tuple(steps.tolist()), self.step_cap)
         if key not in self.plans:
             gen = round_generator(*self.seed_key, phase + 1)
             offsets, sizes = self.offsets[cohort_clients].cpu(), self.sizes[cohort_clients].cpu()

@@ -49,7 +49,10 @@ def evaluate_clients(model: nn.Module, split: ParamSplit, forward: Forward, task
     index = index.to(data.x.device)
 
     def rows_at(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model inputs and labels of the samples index[start:stop], on the model's device."""
+        """Model inputs and labels of the samples index[start:stop], on the model's device: a chunk's, so the host
+        allocator first hands back what the last chunk freed (it keeps freed memory for the rounds,
+        keep_freed_memory, and chunk after chunk would not reuse all of it)."""
+        release_freed_memory()
         rows = slice(first + start, first + min(stop, len(index))) if in_order else index[start:stop]
         return data.inputs(data.x[rows].to(device, non_blocking=True)), data.y[rows].to(device, non_blocking=True)
 
@@ -82,7 +85,6 @@ def _flat(model: nn.Module, apply: Callable[[torch.Tensor], torch.Tensor], task:
     sums = {m: (torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device),
                 torch.zeros(len(sizes), dtype=torch.float64, device=sizes.device)) for m in task.metrics}
     for i in range(0, count, max_samples):
-        release_freed_memory()  # see `_per_client`
         inputs, labels = rows_at(i, i + max_samples)
         for metric, (total, units) in task.scores(in_batches(model, apply, inputs), labels).items():  # per sample
             sums[metric][0].index_add_(0, owner[i : i + max_samples], total.double())
@@ -152,9 +154,6 @@ def _per_client(module: nn.Module, forward: Forward, task: Task, fixed: Params,
     starts = torch.cumsum(sizes, 0) - sizes
     results = {m: torch.full((len(sizes),), float("nan"), device=sizes.device) for m in task.metrics}
     for clients in _chunks(sizes, max_samples):
-        # Chunks differ in size, and the host allocator keeps freed memory (keep_freed_memory, for the rounds)
-        # without reusing all of it: handed back before each chunk, memory stays flat in the number of chunks.
-        release_freed_memory()
         first, last = int(starts[clients[0]]), int(starts[clients[-1]] + sizes[clients[-1]])
         if last == first:  # none of these clients has samples in the split: NaN
             continue

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from fedpilot.engine.accel import AUTO, choose, executor_candidates
 from fedpilot.engine.accel.memory import data_fits, release_freed_memory
-from fedpilot.engine.accel.timing import TRIAL_STEPS, Timed, fastest
+from fedpilot.engine.accel.timing import TRIAL_STEPS, fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -236,32 +236,32 @@ class FederatedStage(L.LightningModule):
     def choose_executor(self, round_idx: int) -> None:
         """Time the candidate executors on the first TRIAL_STEPS steps of every local phase of the round's first
         chunk of clients, after a warm-up run of each on the first step (thrown away: nothing is written and the
-        random state is restored) and keep the fastest
-        for the stage, or a leaner one the fastest is not believably faster than (`timing.kept`). bf16 is never a
-        candidate: it changes the numbers; `precision: bf16-mixed` times the candidates under bf16. Under DDP every
-        process takes rank 0's choice."""
+        random state is restored) and keep the fastest for the stage, or a leaner one the fastest is not believably
+        faster than (`timing.kept`). bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
+        times the candidates under bf16. Under DDP every process takes rank 0's choice."""
         chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            timed = fastest(executor_candidates(self.model, self.device), self.trial(round_idx, chunk),
-                            self.device, weigh_memory=True, warm_up=self.trial(round_idx, chunk, steps=1))
+            run = self.trial(round_idx, chunk)
+            timed = fastest(executor_candidates(self.model, self.device), run, self.device, weigh_memory=True,
+                            warm_up=lambda name: run(name, steps=1))
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         if distributed():
             shared = [timed]
             dist.broadcast_object_list(shared, src=0)
-            timed = Timed(*shared[0])
+            timed = shared[0]
         self.execution, self.executor_seconds, self.executor_peak_bytes = timed
 
-    def trial(self, round_idx: int, clients: torch.Tensor, steps: int = TRIAL_STEPS) -> Callable[[str], None]:
-        """run(executor name): the round's local work of `clients` as one chunk, `steps` steps a phase, on copies
-        of their banks' rows (what it computes is thrown away)."""
-        work = replace(self.round_work(round_idx, clients), step_cap=steps)
+    def trial(self, round_idx: int, clients: torch.Tensor) -> Callable[..., None]:
+        """run(executor name, steps=TRIAL_STEPS): the round's local work of `clients` as one chunk, `steps` steps a
+        phase, on copies of their banks' rows (what it computes is thrown away)."""
+        work = self.round_work(round_idx, clients)
         shared, init = self.shared_params(), {n: v.to(self.device) for n, v in self.personal_init.items()}
         personal, state, rows = self.bank.get(clients), self.state_bank.get(clients), slice(0, len(clients))
 
-        def run(name: str) -> None:
+        def run(name: str, steps: int = TRIAL_STEPS) -> None:
             executor, head_executor = self.executors(name, timed=False)
-            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor), clients, rows, clients,
-                            shared, {n: v.clone() for n, v in personal.items()}, init,
+            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor, step_cap=steps), clients,
+                            rows, clients, shared, {n: v.clone() for n, v in personal.items()}, init,
                             {n: v.clone() for n, v in state.items()})
             self.algorithm.local_update(cohort)
         return run

@@ -158,8 +158,8 @@ def main() -> None:
         env["FEDPILOT_CACHE"] = str(Path(scratch) / "cache")
         facts = device_facts(parts, args.device, args.quick)
         tests = QUICK_TESTS if args.quick else TESTS
-        parts.run("engine tests", [[sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-                                    *tests]], "tests.log", 200)
+        parts.run("engine tests", [[sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+                                    "--tb=short", "--durations=10", *tests]], "tests.log", 200)
         pipelines(parts, args, Path(scratch))
         benches(parts, args)
     summary = {"device": args.device, "quick": args.quick, "facts": facts, "parts": parts.records,

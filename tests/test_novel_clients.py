@@ -82,6 +82,17 @@ def test_a_vectorized_executor_adapts_novel_clients_as_the_per_client_loop(train
                                    equal_nan=True)
 
 
+def test_the_novel_distributions_of_a_trained_stage(trained):
+    """On the device under test too (bench/gpu/check.sh): the stage's data may stay on the accelerator."""
+    stage, full = trained
+    metrics = beyond_participants_metrics(stage)
+    sizes = full.sizes["test"][NOVEL_IDS].double()
+    acc = stage.client_metrics["novel_test"]["acc"].double()
+    assert metrics["novel_test_acc_weighted"] == pytest.approx(float((acc * sizes).sum() / sizes.sum()))
+    assert metrics["participation_gap_acc_mean"] == pytest.approx(
+        stage.history[-1]["test_acc_mean"] - float(acc.mean()))
+
+
 def fake_stage(personal_val: list[float], global_val: list[float], task_name: str = "classification"):
     """A finished stage's per-client scores as the selection reads them: the test scores are the val ones + 1 for the
     personal models and + 2 for the global model, so the chosen model is visible in the selected test scores."""

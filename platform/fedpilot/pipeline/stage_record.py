@@ -55,7 +55,9 @@ def stage_record(stage: FederatedStage, split: ParamSplit, names: list[str], pea
               "personal_bank_bytes": stage.bank.nbytes(),
               "comm_bytes_per_round": float(np.mean(stage.comm_bytes)) if stage.comm_bytes else 0.0,
               "peak_memory_bytes": peak, "rounds": stage.n_rounds}
-    params, sample = {n: p.detach() for n, p in stage.model.named_parameters()}, data.inputs(data.x[:1])
+    params = {n: p.detach() for n, p in stage.model.named_parameters()}
+    # Lightning hands the module back on the CPU after fit; the stage's data may stay on the accelerator
+    sample = data.inputs(data.x[:1]).to(next(iter(params.values())).device)
     backprop = backprop_bytes(stage.model, lambda: stage.algorithm.forward(stage.model, params, sample))
     memory["estimated_training_bytes"] = estimated_training_bytes(  # Pillutla et al., App. B.4: one client
         memory["shared_bytes"], memory["personal_bytes_per_client"], backprop)
@@ -87,7 +89,7 @@ def beyond_participants_metrics(stage: FederatedStage) -> dict[str, float]:
     client's chosen model and the share that kept the personal one."""
     scores, task, metrics = stage.client_metrics, stage.task, {}
     if f"{NOVEL}_test" in scores:
-        sizes = stage.novel.data.sizes
+        sizes = {s: n.cpu() for s, n in stage.novel.data.sizes.items()}
         for prefix in (NOVEL, NOVEL_GLOBAL):
             for s in SPLITS:
                 metrics.update(summarize(f"{prefix}_{s}", scores[f"{prefix}_{s}"], sizes[s].double(),

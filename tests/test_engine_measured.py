@@ -119,6 +119,27 @@ def test_memory_weighs_in_the_timing_where_asked(monkeypatch):
     assert fastest(["big", "small"], run, torch.device("cpu"), repeats=1).peak_bytes == {}
 
 
+def test_a_hungrier_candidate_no_faster_than_a_leaner_one_takes_no_further_turn(monkeypatch):
+    """`big` holds 256 MiB more than the others at its peak and is slower than `small` in the first turn: it could be
+    kept only by a later turn believably faster than `small`, so only `small` and `other` take the next turns."""
+    calls, cost = [], {"big": [1.0, 0.5, 0.5], "small": [0.95, 0.96, 0.97], "other": [1.1, 1.0, 1.05]}
+
+    def run(name: str) -> None:
+        calls.append(name)
+        block = torch.ones(64 * 2**20) if name == "big" else None  # 256 MiB, touched
+        del block
+
+    def best_time(run, device, repeats=1, warm=True):  # each candidate's seconds, turn by turn
+        run()
+        return cost[calls[-1]].pop(0)
+
+    monkeypatch.setattr(timing, "best_time", best_time)
+    choice, seconds, peaks = fastest(["big", "small", "other"], run, torch.device("cpu"), weigh_memory=True)
+    assert peaks["big"] - peaks["small"] > 200 * 2**20
+    assert calls == ["big", "small", "other"] * 2 + ["small", "other"] * 2  # warm-ups, then the turns
+    assert choice == "small" and seconds == {"big": 1.0, "small": 0.95, "other": 1.0}
+
+
 OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
                  RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                               "memory: you tried to allocate 21474836480 bytes.")]

@@ -55,7 +55,8 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
-    times the best after a turn is not run again (its best so far is its seconds): it cannot win. A candidate that
+    times the best after a turn is not run again (its best so far is its seconds): it cannot win; nor, where memory
+    weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that
     runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
     the loop one client's); when all of them do, the first one's error is raised. `warm_up(candidate)`, when
     given, is the warm-up run: a shorter run of the same work that pays the first call's costs (tracing,
@@ -88,7 +89,8 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
         for name in running:
             times[name].append(best_time(lambda name=name: run(name), device, repeats=1, warm=False))
         best = min(min(t) for t in times.values())
-        running = [name for name in running if min(times[name]) <= out_of_the_running * best]
+        running = [name for name in running
+                   if min(times[name]) <= out_of_the_running * best and not outweighed(name, times, peaks)]
         if time.perf_counter() - start > TIMING_BUDGET_S:
             break
     seconds = {name: min(t) for name, t in times.items()}
@@ -107,6 +109,14 @@ def kept(times: dict[str, list[float]], peaks: dict[str, int]) -> str:
               and peaks[name] < (1 - MATERIAL_MEMORY) * peaks[fastest_one]
               and not believably_faster(times[fastest_one], times[name])]
     return min(leaner, key=peaks.__getitem__, default=fastest_one)
+
+
+def outweighed(name: str, times: dict[str, list[float]], peaks: dict[str, int]) -> bool:
+    """Whether a candidate MATERIAL_MEMORY leaner than `name` has been at least as fast so far: `name` could then be
+    kept only by a later turn more than SAME_SPEED times faster than that one's best (`kept`), which one turn's
+    noise does not give; it takes no further turn."""
+    return name in peaks and any(other in peaks and peaks[other] < (1 - MATERIAL_MEMORY) * peaks[name]
+                                 and min(times[other]) <= min(times[name]) for other in times if other != name)
 
 
 def believably_faster(a: list[float], b: list[float]) -> bool:

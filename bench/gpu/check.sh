@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # First contact with a GPU, in one command: `bash bench/gpu/check.sh OUTDIR [--device cuda|cpu] [--wheels DIR]
-# [--quick] [--parts tests pipelines compare scale]`.  `--parts`: only those parts, e.g. again the ones that failed.
+# [--quick] [--parts tests pipelines profile compare scale]`. `--parts`: only those, e.g. again the ones that failed.
 #
 # With --wheels DIR (made by bench/gpu/wheels.sh), its wheels are installed without network into a temporary folder
 # put on PYTHONPATH after this checkout's platform/ (the code under check), over the node's own Python (torch,
-# lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then, within 8 minutes of
-# wall time, bench/gpu/check.py writes at most 8 files to OUTDIR: the engine's equivalence and resume tests on the
-# device, the quickstart and Shakespeare pipelines (reduced) into a file MLflow store, bench/compare.py and
-# bench/scale.py with their JSON, the device's facts, and summary.json (each part passed or failed, its seconds).
+# lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then,
+# within 8 minutes of wall time, bench/gpu/check.py writes at most 8 files to OUTDIR: the engine's equivalence and
+# resume tests on the device, the quickstart and Shakespeare pipelines (reduced) into a file MLflow store, a round
+# under torch.profiler, bench/compare.py and bench/scale.py with their JSON, the device's facts, and summary.json
+# (each part passed or failed, its seconds).
 # Exit code 0 when every part passed. `--quick`: reduced sizes (tests/test_gpu_check.py, on a CPU).
 set -uo pipefail
 

@@ -56,9 +56,9 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
     times the best after a turn is not run again (its best so far is its seconds): it cannot win; nor, where memory
-    weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that
-    runs out of memory in its warm-up run is left out with a warning (vmap holds every client's gradients at once,
-    the loop one client's); when all of them do, the first one's error is raised. `warm_up(candidate)`, when
+    weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in
+    its warm-up run is left out with a warning (vmap holds every client's gradients at once, the loop one client's);
+    when all of them do, the first one's error is raised. `warm_up(candidate)`, when
     given, is the warm-up run: a shorter run of the same work that pays the first call's costs (tracing,
     allocation) and reaches the same peak memory. With `weigh_memory`, each warm-up's peak memory is measured and
     a leaner candidate is kept where the fastest is not believably faster (`kept`).

@@ -58,10 +58,10 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
     times the best after a turn is not run again (its best so far is its seconds): it cannot win; nor, where memory
     weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in
     its warm-up run is left out with a warning (vmap holds every client's gradients at once, the loop one client's);
-    when all of them do, the first one's error is raised. `warm_up(candidate)`, when
-    given, is the warm-up run: a shorter run of the same work that pays the first call's costs (tracing,
-    allocation) and reaches the same peak memory. With `weigh_memory`, each warm-up's peak memory is measured and
-    a leaner candidate is kept where the fastest is not believably faster (`kept`).
+    when all of them do, the first one's error is raised. `warm_up(candidate)`, when given, is the warm-up run: a
+    shorter run of the same work that pays the first call's costs (tracing, allocation) and reaches the same peak
+    memory. With `weigh_memory`, each warm-up's peak memory is measured and a leaner candidate is kept where the
+    fastest is not believably faster (`kept`).
 
     The timing is bounded where the work is large (a federation's first round of a large model): once it has
     taken TIMING_BUDGET_S, a candidate whose warm-up took more than WARM_OUT times the fastest warm-up is out, and
@@ -103,10 +103,7 @@ def kept(times: dict[str, list[float]], peaks: dict[str, int]) -> str:
     times, or in each of two or more turns. A few percent of one turn is the machine's noise, not worth the memory
     of an executor that batches every client's work (`loop_batched_first`, the vmaps)."""
     fastest_one = min(times, key=lambda name: min(times[name]))
-    if fastest_one not in peaks:
-        return fastest_one
-    leaner = [name for name in times if name in peaks
-              and peaks[name] < (1 - MATERIAL_MEMORY) * peaks[fastest_one]
+    leaner = [name for name in times if materially_leaner(name, fastest_one, peaks)
               and not believably_faster(times[fastest_one], times[name])]
     return min(leaner, key=peaks.__getitem__, default=fastest_one)
 
@@ -115,8 +112,12 @@ def outweighed(name: str, times: dict[str, list[float]], peaks: dict[str, int]) 
     """Whether a candidate MATERIAL_MEMORY leaner than `name` has been at least as fast so far: `name` could then be
     kept only by a later turn more than SAME_SPEED times faster than that one's best (`kept`), which one turn's
     noise does not give; it takes no further turn."""
-    return name in peaks and any(other in peaks and peaks[other] < (1 - MATERIAL_MEMORY) * peaks[name]
-                                 and min(times[other]) <= min(times[name]) for other in times if other != name)
+    return any(materially_leaner(other, name, peaks) and min(times[other]) <= min(times[name]) for other in times)
+
+
+def materially_leaner(a: str, b: str, peaks: dict[str, int]) -> bool:
+    """Whether candidate `a` needed MATERIAL_MEMORY less than `b` at its peak (False where either was not measured)."""
+    return a in peaks and b in peaks and peaks[a] < (1 - MATERIAL_MEMORY) * peaks[b]
 
 
 def believably_faster(a: list[float], b: list[float]) -> bool:

@@ -75,14 +75,18 @@ def round_times(work: Workload, rounds: int, device: str, execution: str = "auto
 def timed_stage(work: Workload, rounds: int, device: str, execution: str = "auto",
                 precision: str = "32-true") -> tuple[list[float], str]:
     """`round_times`, and the executor the stage ran (with "auto": the one it timed fastest on its first round)."""
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     clock = RoundClock(device)
     stage = stage_for(work, rounds, execution, precision)
-    trainer = L.Trainer(max_steps=rounds, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[RoundTimer(clock)])
-    trainer.fit(stage)
+    quiet_trainer(rounds, device, [RoundTimer(clock)]).fit(stage)
     return clock.times, stage.execution
+
+
+def quiet_trainer(rounds: int, device: str, callbacks: list[L.Callback]) -> L.Trainer:
+    """A Trainer of `rounds` rounds on one device, with no logger, checkpoints, progress bar or summary."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    return L.Trainer(max_steps=rounds, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=callbacks)
 
 
 def main() -> None:

@@ -20,8 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contenders"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fedpilot_engine import stage_for  # noqa: E402
+from fedpilot_engine import quiet_trainer, stage_for  # noqa: E402  (it puts bench/ on the path too)
 from workload import WORKLOADS, write_data  # noqa: E402
 
 
@@ -32,7 +31,7 @@ class ProfileRound(L.Callback):
         self.at, self.device = at, device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.profiler = profile(activities=activities)
-        self.seconds = 0.0
+        self.began = self.seconds = 0.0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -72,10 +71,7 @@ def main() -> None:
     write_data(work)
     stage = stage_for(work, args.warmup + 1, args.execution, args.precision)
     probe = ProfileRound(args.warmup, device)
-    trainer = L.Trainer(max_steps=args.warmup + 1, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[probe])
-    trainer.fit(stage)
+    quiet_trainer(args.warmup + 1, args.device, [probe]).fit(stage)
     events = probe.profiler.key_averages()
     busy, kernels = device_seconds(probe.profiler.events())
     print(f"{work.describe()}; executor {stage.execution}, precision {args.precision}, {device}")

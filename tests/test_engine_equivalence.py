@@ -7,7 +7,7 @@ import torch
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.api import Algorithm
-from fedpilot.engine.accel import choose_execution, executor_candidates
+from fedpilot.engine.accel import choose_execution, executor_candidates, shared_start
 from fedpilot.engine.cohort import Cohort
 from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.protocol import Upload
@@ -50,6 +50,32 @@ def test_conv_model_matches_sequential():
     assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
                               lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("vmap_autograd", 3), ("loop", 4),
                                                                         ("loop_channels_last", 4)))
+
+
+@pytest.mark.parametrize(("algo", "personal", "params"), [CASES[1], CASES[4], CASES[7]])
+def test_executors_batching_fewer_clients_a_call_match_sequential(algo, personal, params):
+    """Executors that batch clients, taking at most 3 of a chunk of 7 in a call (3 + 3 + 1; per-client references of
+    the pull to the start, clipping, weight decay, a gradient phase), end where the sequential reference does."""
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1, clip_norm=1.0, weight_decay=0.01)
+    reference = run_stage(algo, personal, params, "sequential", 1, local)
+    for execution in ("vmap", "vmap_autograd", "bmm"):
+        got = run_stage(algo, personal, params, execution, 7, local, per_call=3)
+        assert_close(got[0], reference[0])
+        assert_close(got[1], reference[1])
+
+
+def test_the_batched_first_step_in_groups_matches_sequential(monkeypatch):
+    """loop_batched_first taking 3 clients' first step a call: three calls for 7 clients, the reference's numbers."""
+    from fedpilot.engine.accel import loop
+
+    calls = []
+    monkeypatch.setattr(loop, "first_step_grads", lambda *a: calls.append(a[6].shape[0]) or
+                        shared_start.first_step_grads(*a))
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1)
+    run = [run_stage("fedavg", [], {}, execution, 7, local, TinyCNN, ToyData(image=True), per_call=3)
+           for execution in ("sequential", "loop_batched_first")]
+    assert calls[:3] == [3, 3, 1] and len(calls) == 3 * 4  # every round's first step, in three calls
+    assert_close(run[1][0], run[0][0])
 
 
 def has_bf16(device: torch.device) -> bool:

@@ -118,9 +118,9 @@ def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
 def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: dict[str, Any] | None = None,
               execution: str = "sequential", chunk: int = 1, local: LocalConfig | None = None,
               model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None,
-              precision: str = "32-true") -> tuple[Tensors, Tensors]:
+              precision: str = "32-true", per_call: int | None = None) -> tuple[Tensors, Tensors]:
     """(shared parameters, personal bank) after 4 rounds of 7 clients of ToyData (seed 3) with `execution` in chunks
-    of `chunk` clients, under `precision`. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
+    of `chunk` clients (an executor that batches clients taking `per_call` of them a call), under `precision`. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
     `params`; `personal`: the personal parameter names (None: all); `model`: a zero-argument factory of a fresh model
     for `data`."""
     from fedpilot.algorithms import build_algorithm
@@ -133,6 +133,7 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else copy.deepcopy(algorithm)
     stage = stage_for(net, names, data or ToyData(), built, config, seed=3)
     stage.execution = execution
+    stage.clients_per_call = {execution: per_call} if per_call else {}
     fit(stage)
     shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
     bank = {n: stage.bank.tensor(n).clone() for n in names}

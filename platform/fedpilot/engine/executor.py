@@ -84,9 +84,9 @@ class StepRule:
         self.apply_(params, grads, active)
         return params
 
-    def for_client(self, k: int, params: Params) -> StepRule:
-        """This rule for client k alone (its row of a per-client reference)."""
-        reference = {n: r[k : k + 1] if r.dim() == params[n].dim() else r for n, r in self.reference.items()}
+    def for_rows(self, rows: slice, params: Params) -> StepRule:
+        """This rule for the clients of `rows` alone (their rows of a per-client reference)."""
+        reference = {n: r[rows] if r.dim() == params[n].dim() else r for n, r in self.reference.items()}
         return StepRule(self.lr, self.clip_norm, self.weight_decay, self.prox, reference)
 
     def renamed(self, names: dict[str, str]) -> StepRule:
@@ -136,6 +136,10 @@ class TrainStats:
     def zeros(cls, k: int, device: torch.device) -> TrainStats:
         return cls(*(torch.zeros(k, device=device) for _ in range(3)))
 
+    def rows(self, rows: slice) -> TrainStats:
+        """The sums of the clients of `rows` (views: adding to them adds to these)."""
+        return TrainStats(self.loss[rows], self.metric[rows], self.steps[rows])
+
     def add(self, loss: torch.Tensor, metric: torch.Tensor, active: torch.Tensor) -> None:
         on = active.to(loss.dtype)
         self.loss += loss.detach() * on
@@ -154,15 +158,23 @@ class Executor(ABC):
     it with `task`. Every executor reaches the sequential reference's numbers on the same plan.
 
     Class attributes: `name`, its `execution:` value; `uses_features`, it can run head steps on precomputed body
-    features; `batched`, its forward passes run batched over clients (evaluation then vmaps the clients).
+    features; `batched`, its forward passes run batched over clients (evaluation then vmaps the clients);
+    `groups_clients`, its memory grows with the clients one call batches, at most `clients_per_call` of them (None:
+    the whole chunk), a number the stage measures (`timing.clients_per_call`).
     """
 
     name: ClassVar[str]
     uses_features: ClassVar[bool] = True
     batched: ClassVar[bool] = False
+    groups_clients: ClassVar[bool] = False
 
-    def __init__(self, forward: Forward, task: Task):
-        self.forward, self.task = forward, task
+    def __init__(self, forward: Forward, task: Task, clients_per_call: int | None = None):
+        self.forward, self.task, self.clients_per_call = forward, task, clients_per_call
+
+    def groups(self, clients: int) -> list[slice]:
+        """The rows of `clients` in groups of at most `clients_per_call`, each batched in one call."""
+        size = self.clients_per_call or clients
+        return [slice(lo, min(lo + size, clients)) for lo in range(0, clients, size)]
 
     @classmethod
     def supports(cls, module: nn.Module, device: torch.device) -> bool:
@@ -176,7 +188,7 @@ class Executor(ABC):
 
     def applying(self, forward: Forward) -> Executor:
         """The same executor applying the model with `forward` (head steps on body features: the plain forward)."""
-        return type(self)(forward, self.task)
+        return type(self)(forward, self.task, self.clients_per_call)
 
     @abstractmethod
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,

@@ -15,7 +15,7 @@ from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import for_each_client
-from fedpilot.engine.accel.vmap import mean_of_steps
+from fedpilot.engine.accel.vmap import mean_of_steps, rows_of
 from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, models_own
 from fedpilot.engine.task import Task
 
@@ -130,7 +130,7 @@ class LoopExecutor(Executor):
         `trained` itself), into its row of `trained`."""
 
         def client(k: int, module: nn.Module) -> None:
-            step = eager_client_stepper(module, self.forward, self.task, self.layout, rule.for_client(k, start))
+            step = eager_client_stepper(module, self.forward, self.task, self.layout, rule.for_rows(slice(k, k + 1), start))
             mine = {n: p[k : k + 1].copy_(start[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             for s in (torch.nonzero(batches.active[k, first:]).flatten() + first).tolist():
@@ -188,6 +188,7 @@ class BatchedFirstStepExecutor(LoopExecutor):
     in ways the per-client layers cannot follow)."""
 
     name = "loop_batched_first"
+    groups_clients = True  # the first step's
 
     @classmethod
     def supports(cls, module: nn.Module, device: torch.device) -> bool:
@@ -202,12 +203,26 @@ class BatchedFirstStepExecutor(LoopExecutor):
         step = None
         if trainable and bool(first.any()) and batchable(module) and (same_weights or models_own(self.forward)):
             keep_freed_memory(batches.source.device)
-            forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
-            step = first_step_grads(module, forward, self.task, clients, fixed, list(trainable),
-                                    batches.inputs(slice(None), 0), batches.labels[:, 0], batches.weight[:, 0])
+            step = self.first_step(module, clients, fixed, list(trainable), batches)
         if step is None:
             return super().train(module, trainable, frozen, fixed, batches, rule, stats)
         grads, loss, metric = step
         trained = rule.stepped(trainable, grads, first)
         stats.add(loss, metric, first)
         return self.steps_from(1, module, trained, trained, frozen, fixed, batches, rule, stats)
+
+    def first_step(self, module: nn.Module, clients: Params, fixed: Params, trainable: list[str],
+                   batches: Batches) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+        """`first_step_grads` of every client, batched over `clients_per_call` clients at a time."""
+        forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
+        parts = []
+        for rows in self.groups(batches.index.shape[0]):
+            part = first_step_grads(module, forward, self.task, rows_of(clients, rows), fixed, trainable,
+                                    batches.inputs(rows, 0), batches.labels[rows, 0], batches.weight[rows, 0])
+            if part is None:
+                return None
+            parts.append(part)
+        if len(parts) == 1:
+            return parts[0]
+        grads, losses, metrics = zip(*parts, strict=True)
+        return {n: torch.cat([g[n] for g in grads]) for n in trainable}, torch.cat(losses), torch.cat(metrics)

@@ -47,6 +47,7 @@ class VmapExecutor(Executor):
 
     name = "vmap"
     batched = True
+    groups_clients = True
 
     @classmethod
     def supports(cls, module: nn.Module, device: torch.device) -> bool:
@@ -73,15 +74,17 @@ class VmapExecutor(Executor):
     def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
-        step = self.stepper(module, rule)
         trainable = {n: p.clone() for n, p in trainable.items()}
+        groups = [(rows, self.stepper(module, rule.for_rows(rows, trainable)), stats.rows(rows))
+                  for rows in self.groups(batches.index.shape[0])]
         for s in range(batches.index.shape[1]):
-            active = batches.active[:, s]
-            if not bool(active.any()):
-                continue
-            x = batches.inputs(slice(None), s)
-            loss, acc = step(trainable, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s], active)
-            stats.add(loss, acc, active)
+            for rows, step, their_stats in groups:
+                active = batches.active[rows, s]
+                if not bool(active.any()):
+                    continue
+                loss, acc = step(rows_of(trainable, rows), rows_of(frozen, rows), fixed, batches.inputs(rows, s),
+                                 batches.labels[rows, s], batches.weight[rows, s], active)
+                their_stats.add(loss, acc, active)
         return trainable
 
     def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
@@ -91,15 +94,17 @@ class VmapExecutor(Executor):
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
         for s in range(batches.index.shape[1]):
-            active = batches.active[:, s]
-            if not bool(active.any()):
-                continue
-            x = batches.inputs(slice(None), s)
-            grads, (loss, acc) = step_grad(params, frozen, fixed, x, batches.labels[:, s], batches.weight[:, s])
-            for n, g in grads.items():
-                total[n] += g * per_client(active.to(g.dtype), g)
-            count += active
-            stats.add(loss, acc, active)
+            for rows in self.groups(batches.index.shape[0]):
+                active = batches.active[rows, s]
+                if not bool(active.any()):
+                    continue
+                grads, (loss, acc) = step_grad(rows_of(params, rows), rows_of(frozen, rows), fixed,
+                                               batches.inputs(rows, s), batches.labels[rows, s],
+                                               batches.weight[rows, s])
+                for n, g in grads.items():
+                    total[n][rows] += g * per_client(active.to(g.dtype), g)
+                count[rows] += active
+                stats.rows(rows).add(loss, acc, active)
         return mean_of_steps(total, count)
 
 
@@ -111,6 +116,11 @@ class VmapAutogradExecutor(VmapExecutor):
 
     def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
         return clients_grad(module, self.forward, self.task)
+
+
+def rows_of(params: Params, rows: slice) -> Params:
+    """The clients of `rows` of per-client parameters [K, ...] (views)."""
+    return {n: p[rows] for n, p in params.items()}
 
 
 def mean_of_steps(total: Params, count: torch.Tensor) -> Params:

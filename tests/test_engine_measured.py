@@ -88,7 +88,7 @@ def test_candidates_take_turns_after_a_warm_up_each_and_a_clear_loser_drops_out(
 
     monkeypatch.setattr(timing, "best_time", best_time)
     choice, seconds, _ = fastest(["a", "b", "c"], calls.append, torch.device("cpu"), repeats=3)
-    assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["a", "b"] * 2  # c: 1.6 > 1.5 x 1.0 after the first turn
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["a", "b"] * 2  # c: 1.6 > 1.2 x 1.0 after the first turn
     assert choice == "a" and seconds == {"a": 0.9, "b": 0.95, "c": 1.6}
 
 
@@ -158,6 +158,30 @@ def test_a_candidate_that_runs_out_of_memory_is_left_out_of_the_timing(error):
         choice, seconds, _ = fastest(["vmap", "loop", "loop_channels_last"], run, torch.device("cpu"), repeats=2)
     assert calls.count("vmap") == 1 and choice in ("loop", "loop_channels_last")
     assert set(seconds) == {"loop", "loop_channels_last"}
+
+
+def call_sizes(seconds: dict[int, float], most: int) -> tuple[int, list[int]]:
+    """timing.clients_per_call on given seconds per size (a size missing from `seconds` runs out of memory)."""
+    tried = []
+
+    def seconds_at(clients: int) -> float:
+        tried.append(clients)
+        if clients not in seconds:
+            raise torch.OutOfMemoryError(f"{clients} clients")
+        return seconds[clients]
+
+    return timing.clients_per_call(seconds_at, most, torch.device("cpu")), tried
+
+
+def test_a_call_batches_more_clients_only_while_each_client_gets_believably_cheaper():
+    gpu = {n: max(0.05, 0.004 * n) for n in (1, 2, 4, 8, 10, 16, 32, 50)}  # the same cost until the device is busy
+    assert call_sizes(gpu, 50) == (16, [1, 2, 4, 8, 16, 32])  # 32: 4 ms a client, as at 16
+    assert call_sizes(gpu, 10) == (10, [1, 2, 4, 8, 10])
+    cpu = {1: 0.10, 2: 0.19, 4: 0.37}  # the work from the first client on
+    assert call_sizes(cpu, 50) == (1, [1, 2])
+    assert call_sizes({1: 0.10, 2: 0.15, 4: 0.26}, 50) == (2, [1, 2, 4])  # 4: 14% cheaper a client, not 20%
+    assert call_sizes({1: 0.1, 2: 0.12, 4: 0.13}, 3) == (2, [1, 2, 3])  # at most the chunk; 3 out of memory
+    assert call_sizes({1: 0.1}, 1) == (1, [])  # a chunk of one client: nothing to measure
 
 
 def test_when_every_candidate_runs_out_of_memory_the_error_is_raised_and_other_errors_are_not_caught():

@@ -173,10 +173,15 @@ def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
     fit(stage)
     rounds, trials = steps[-4:], steps[:-4]  # 2 rounds of 2 chunks (5 and 3 clients)
     assert [k for k, _ in rounds] == [5, 3, 5, 3] and max(most for _, most in rounds) > TRIAL_STEPS  # not capped
-    assert trials and all(k == 5 and most <= TRIAL_STEPS for k, most in trials)
+    first_turn = next(i for i, (_, most) in enumerate(trials) if most > 1)
+    one_step, turns = trials[:first_turn], trials[first_turn:]
     warm_ups = len(executor_candidates(stage.model))
-    assert [most for _, most in trials[:warm_ups]] == [1.0] * warm_ups  # each candidate warms up on one step
-    assert max(most for _, most in trials[warm_ups:]) == TRIAL_STEPS
+    assert one_step[-warm_ups:] == [(5, 1.0)] * warm_ups  # each candidate warms up on one step of the chunk
+    assert turns and all(trial == (5, TRIAL_STEPS) for trial in turns)
+    # before them, the executors that batch clients measured a call of 1, 2, 4, (5) clients, each after a warm-up
+    sizing = one_step[:-warm_ups]
+    assert sizing and sizing[::2] == sizing[1::2] and all(k in (1, 2, 4, 5) and most == 1 for k, most in sizing)
+    assert len(sizing) // 2 >= len(stage.clients_per_call) == 3  # vmap, vmap_autograd, bmm
     assert kept_by_the_rule(stage)
 
 

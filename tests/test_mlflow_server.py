@@ -108,6 +108,8 @@ def test_pipeline_against_a_real_tracking_server(mlflow_server, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plots/test_acc_before_after.png" in {a.path for a in client.list_artifacts(stages[1].info.run_id, "plots")}
     assert stages[0].data.metrics["peak_memory_bytes"] > 10 * 2**20
+    timed = stages[0].data.metrics  # the executor timing: seconds, peak and clients per call of the vmaps
+    assert timed["executor_clients_per_call_vmap"] >= 1 and timed["executor_seconds_vmap"] > 0
 
 
 def test_fedpilot_ui_serves_the_configured_store(tmp_path):

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from fedpilot.engine.accel import AUTO, choose, executor_candidates
 from fedpilot.engine.accel.memory import data_fits, release_freed_memory
-from fedpilot.engine.accel.timing import TRIAL_STEPS, fastest
+from fedpilot.engine.accel.timing import TRIAL_STEPS, best_time, clients_per_call, fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
 from fedpilot.engine.cohort import Cohort, RoundWork
@@ -86,6 +86,7 @@ class FederatedStage(L.LightningModule):
         self._executors: dict[tuple, tuple[Executor, Executor | None]] = {}  # see executors()
         self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
         self.executor_peak_bytes: dict[str, int] = {}  # candidate -> peak memory there
+        self.clients_per_call: dict[str, int] = {}  # candidate that batches clients -> how many a call takes
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics (step = rounds done); callbacks get round_result
@@ -170,7 +171,8 @@ class FederatedStage(L.LightningModule):
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
                                   "server_state": self.server_state, "execution": self.execution,
                                   "executor_seconds": self.executor_seconds,
-                                  "executor_peak_bytes": self.executor_peak_bytes}
+                                  "executor_peak_bytes": self.executor_peak_bytes,
+                                  "clients_per_call": self.clients_per_call}
         if self.changes_folder is None:
             return
         for name in ("bank", "state_bank"):
@@ -193,6 +195,7 @@ class FederatedStage(L.LightningModule):
             self.execution = saved.get("execution", self.execution)
             self.executor_seconds = dict(saved.get("executor_seconds", {}))
             self.executor_peak_bytes = dict(saved.get("executor_peak_bytes", {}))
+            self.clients_per_call = dict(saved.get("clients_per_call", {}))
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -221,13 +224,15 @@ class FederatedStage(L.LightningModule):
                          head_executor=head_executor, split=self.split, server_state=self.server_state,
                          precision=self.config.precision)
 
-    def executors(self, execution: str, timed: bool) -> tuple[Executor, Executor | None]:
-        """The executor of the stage's local work under `execution`, and the one of its head-only work on the body's
-        features (None: head-only work runs as any other), chosen once per stage. A `timed` choice was timed on
-        whole-model work, so head-only work keeps the rule of thumb for the head."""
-        key = (execution, timed, self.device)
+    def executors(self, execution: str, timed: bool, per_call: int | None = None) -> tuple[Executor, Executor | None]:
+        """The executor of the stage's local work under `execution`, batching at most `per_call` clients a call (by
+        default as many as the stage measured, or all), and the one of its head-only work on the body's features
+        (None: head-only work runs as any other), chosen once per stage. A `timed` choice was timed on whole-model
+        work, so head-only work keeps the rule of thumb for the head."""
+        per_call = per_call or self.clients_per_call.get(execution)
+        key = (execution, timed, self.device, per_call)
         if key not in self._executors:
-            executor = choose(execution, self.model, self.device)(self.algorithm.forward, self.task)
+            executor = choose(execution, self.model, self.device)(self.algorithm.forward, self.task, per_call)
             head = getattr(self.model, "head", None)
             kind = choose(AUTO if timed else execution, head, self.device) if head is not None else None
             self._executors[key] = executor, kind(plain_forward, self.task) if kind and kind.uses_features else None
@@ -237,32 +242,46 @@ class FederatedStage(L.LightningModule):
         """Time the candidate executors on the first TRIAL_STEPS steps of every local phase of the round's first
         chunk of clients, after a warm-up run of each on the first step (thrown away: nothing is written and the
         random state is restored) and keep the fastest for the stage, or a leaner one the fastest is not believably
-        faster than (`timing.kept`). bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
+        faster than (`timing.kept`). Executors that batch clients first measure how many a call takes
+        (`timing.clients_per_call`), so that neither their timing nor their rounds hold more clients' work at once
+        than their speed gains from. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
         times the candidates under bf16. Under DDP every process takes rank 0's choice."""
         chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
+        candidates = executor_candidates(self.model, self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             run = self.trial(round_idx, chunk)
-            timed = fastest(executor_candidates(self.model, self.device), run, self.device, weigh_memory=True,
-                            warm_up=lambda name: run(name, steps=1))
+            self.clients_per_call = {name: clients_per_call(self.call_seconds(run, name), len(chunk), self.device)
+                                     for name in candidates if choose(name, self.model, self.device).groups_clients}
+            timed = fastest(candidates, run, self.device, weigh_memory=True, warm_up=lambda name: run(name, steps=1))
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
+        chosen = (timed, self.clients_per_call)
         if distributed():
-            shared = [timed]
+            shared = [chosen]
             dist.broadcast_object_list(shared, src=0)
-            timed = shared[0]
-        self.execution, self.executor_seconds, self.executor_peak_bytes = timed
+            chosen = shared[0]
+        (self.execution, self.executor_seconds, self.executor_peak_bytes), self.clients_per_call = chosen
 
-    def trial(self, round_idx: int, clients: torch.Tensor) -> Callable[..., None]:
-        """run(executor name, steps=TRIAL_STEPS): the round's local work of `clients` as one chunk, `steps` steps a
-        phase, on copies of their banks' rows (what it computes is thrown away)."""
-        work = self.round_work(round_idx, clients)
+    def call_seconds(self, run: Callable[..., None], name: str) -> Callable[[int], float]:
+        """seconds(n): the first step of each local phase of the chunk's first n clients by executor `name` in one
+        call (a first step is the batched one of `loop_batched_first`), after a warm-up run."""
+        def seconds(clients: int) -> float:
+            return best_time(lambda: run(name, steps=1, clients=clients, per_call=clients), self.device, repeats=1)
+        return seconds
+
+    def trial(self, round_idx: int, chunk: torch.Tensor) -> Callable[..., None]:
+        """run(executor name, steps=TRIAL_STEPS, clients=None, per_call=None): the round's local work of the first
+        `clients` of `chunk` (all: None) as one chunk, `steps` steps a phase, batching `per_call` clients a call (by
+        default as measured), on copies of their banks' rows (what it computes is thrown away)."""
+        work = self.round_work(round_idx, chunk)
         shared, init = self.shared_params(), {n: v.to(self.device) for n, v in self.personal_init.items()}
-        personal, state, rows = self.bank.get(clients), self.state_bank.get(clients), slice(0, len(clients))
+        personal, state = self.bank.get(chunk), self.state_bank.get(chunk)
 
-        def run(name: str, steps: int = TRIAL_STEPS) -> None:
-            executor, head_executor = self.executors(name, timed=False)
-            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor, step_cap=steps), clients,
-                            rows, clients, shared, {n: v.clone() for n, v in personal.items()}, init,
-                            {n: v.clone() for n, v in state.items()})
+        def run(name: str, steps: int = TRIAL_STEPS, clients: int | None = None, per_call: int | None = None) -> None:
+            executor, head_executor = self.executors(name, timed=False, per_call=per_call)
+            rows = slice(0, clients)
+            cohort = Cohort(replace(work, executor=executor, head_executor=head_executor, step_cap=steps), chunk[rows],
+                            rows, chunk, shared, {n: v[rows].clone() for n, v in personal.items()}, init,
+                            {n: v[rows].clone() for n, v in state.items()})
             self.algorithm.local_update(cohort)
         return run
 

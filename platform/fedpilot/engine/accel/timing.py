@@ -50,13 +50,13 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3,
 
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device, repeats: int = 3,
-            out_of_the_running: float = 1.5, weigh_memory: bool = False,
+            out_of_the_running: float = SAME_SPEED, weigh_memory: bool = False,
             warm_up: Callable[[str], None] | None = None) -> Timed:
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
-    times the best after a turn is not run again (its best so far is its seconds): it cannot win; nor, where memory
-    weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in
+    times the best after a turn (by default SAME_SPEED: believably slower, so `kept` could not keep it) is not run
+    again (its best so far is its seconds); nor, where memory weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in
     its warm-up run is left out with a warning (vmap holds every client's gradients at once, the loop one client's);
     when all of them do, the first one's error is raised. `warm_up(candidate)`, when given, is the warm-up run: a
     shorter run of the same work that pays the first call's costs (tracing, allocation) and reaches the same peak
@@ -125,6 +125,26 @@ def believably_faster(a: list[float], b: list[float]) -> bool:
     SAME_SPEED times faster, or each of two or more turns faster."""
     turns = list(zip(a, b, strict=False))
     return min(b) > SAME_SPEED * min(a) or (len(turns) >= 2 and all(x < y for x, y in turns))
+
+
+def clients_per_call(seconds_at: Callable[[int], float], most: int, device: torch.device) -> int:
+    """How many clients one call of an executor that batches them should take: from one, doubled while twice as
+    many make each client's share of a call's seconds (`seconds_at(clients)`) believably cheaper (SAME_SPEED: twice
+    the clients' memory for a gain under 20% is the trade `kept` refuses), at most `most`. A GPU's call costs about
+    the same for one client as for many until the GPU is busy; a CPU's grows with the clients from the first: the
+    memory, which grows with them, then follows what the speed gains. A size that runs out of memory ends the
+    doubling."""
+    if most <= 1:
+        return 1
+    fits, seconds = within_memory(lambda: seconds_at(1), device)
+    size, share = 1, seconds
+    while fits and size < most:
+        more = min(2 * size, most)
+        fits, seconds = within_memory(lambda more=more: seconds_at(more), device)
+        if not fits or SAME_SPEED * seconds / more >= share:
+            break
+        size, share = more, seconds / more
+    return size
 
 
 def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T | None]:

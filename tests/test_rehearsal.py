@@ -1,5 +1,6 @@
-"""Issue 34, reduced: bench/rehearsal.py's data commands on a small Stack Overflow-schema stand-in, a build killed
-(kill -9) while it writes its cache entry, and the fixes the full-size rehearsal called for (packing text windows
+"""Issue 34, reduced: bench/rehearsal.py at 1% of the true sizes (`--fraction 0.01 --skip-run`: the data commands
+on FEMNIST- and Stack Overflow-schema stand-ins), a build of its FEMNIST stand-in killed (kill -9) while it writes
+its cache entry, and the fixes the full-size rehearsal called for (packing text windows
 without a Python list per text, a progress callback, a memory cap on executor trials, a bounded timing)."""
 
 from __future__ import annotations
@@ -25,38 +26,42 @@ from fedpilot.data.text import pack_runs, pack_windows, stream_of
 from fedpilot.engine.accel import timing
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINE = ROOT / "pipelines" / "stackoverflow-fedalt.yaml"
+PIPELINE = ROOT / "pipelines" / "femnist-fedalt.yaml"
 _spec = importlib.util.spec_from_file_location("rehearsal", ROOT / "bench" / "rehearsal.py")
 rehearsal = sys.modules.setdefault("rehearsal", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(rehearsal)
 
 
 @pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> dict:
-    """60 users of the Stack Overflow stand-in (TFF's columns: `tokens`, `user_id`)."""
-    return rehearsal.write_stackoverflow(tmp_path_factory.mktemp("so"), 60, seed=0)
-
-
-def test_the_reduced_rehearsal_measures_the_data_commands_on_a_hub_schema_standin(tmp_path):
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--only", "stackoverflow",
-                           "--fraction", "0.0002", "--skip-run", "--out", str(out), "--json", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=300)
+def reduced(tmp_path_factory) -> dict:
+    """`bench/rehearsal.py --fraction 0.01 --skip-run`: both stand-ins at 1% of the true sizes and the data commands
+    on them (its JSON result)."""
+    out = tmp_path_factory.mktemp("rehearsal")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--fraction", "0.01", "--skip-run",
+                           "--out", str(out), "--json", str(out / "r.json")], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "r.json").read_text())["stackoverflow"]
-    standin, rows, summary = result["standin"], result["rows"], result["summary"]
-    assert standin["clients"] == 68 and standin["tokens"] > 10 * standin["samples"]  # 0.0002 of 342k users
+    return json.loads((out / "r.json").read_text())
+
+
+@pytest.mark.parametrize(("name", "clients", "per_client"), [("femnist", 36, 100), ("stackoverflow", 3425, 10)])
+def test_the_reduced_rehearsal_measures_the_data_commands_on_hub_schema_standins(reduced, name, clients, per_client):
+    standin, rows, summary = reduced[name]["standin"], reduced[name]["rows"], reduced[name]["summary"]
+    assert standin["clients"] == clients and standin["samples"] > per_client * clients  # 1% of the writers / users
     assert [r["command"] for r in rows] == ["validate (cold: the build)", "validate (warm)", "data describe"]
     assert all(r["peak_rss"] > 0 and r["disk_bytes"] > 0 for r in rows)
-    # the pipeline keeps the users with >= 100 sentences (its min_size), as many as the stand-in has
+    assert rows[1]["seconds"] < rows[0]["seconds"]  # the warm validate loads what the cold one built
+    # the pipelines keep the writers / users with enough data (Stack Overflow's min_size: 100 sentences)
     assert summary["clients"] == standin["eligible"] > 0 and summary["cache_hit"] is True
-    windows = sum(summary["samples"].values()) if isinstance(summary["samples"], dict) else summary["samples"]
-    assert windows > 0
+    samples = sum(summary["samples"].values()) if isinstance(summary["samples"], dict) else summary["samples"]
+    assert samples > 0
+    if name == "stackoverflow":
+        assert standin["tokens"] > 10 * standin["samples"]
 
 
 def validate(standin: dict, cache: Path, *prefix: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *prefix, "validate", str(PIPELINE), f"dataset.source.path={standin['path']}",
-                           "dataset.partition.clients=null", "dataset.partition.min_size=1"],
+                           "model=cnn", *rehearsal.fitted(PIPELINE, standin["eligible"])],
                           env={**os.environ, "FEDPILOT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
                                "HF_DATASETS_CACHE": str(cache / "hf")}, capture_output=True, text=True, timeout=300)
 
@@ -77,8 +82,10 @@ main()
 """
 
 
-def test_a_build_killed_while_writing_leaves_nothing_a_later_run_trusts(standin, tmp_path):
-    cache = tmp_path / "cache"
+def test_a_build_killed_while_writing_leaves_nothing_a_later_run_trusts(reduced, tmp_path):
+    """The reduced rehearsal's FEMNIST stand-in built in a fresh cache, the build killed with SIGKILL halfway
+    through writing its images; the next `validate` rebuilds it whole."""
+    standin, cache = reduced["femnist"]["standin"], tmp_path / "cache"
     killed = validate(standin, cache, "-c", DIES_WRITING)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     entries = [p for p in (cache / "data").iterdir()]
@@ -89,7 +96,8 @@ def test_a_build_killed_while_writing_leaves_nothing_a_later_run_trusts(standin,
     assert again.returncode == 0, again.stderr[-2000:]
     entries = [p for p in (cache / "data").iterdir()]
     assert len(entries) == 1 and not entries[0].name.startswith(".")  # rebuilt whole; the dead build's folder gone
-    assert (entries[0] / "meta.json").is_file() and np.load(entries[0] / "x.npy").shape[1] == 21
+    assert (entries[0] / "meta.json").is_file()
+    assert np.load(entries[0] / "x.npy").shape == (standin["samples"], 1, 28, 28)
 
 
 def tiny_spec() -> DatasetSpec:
@@ -138,7 +146,8 @@ def test_packing_every_clients_splits_at_once_matches_packing_each_one():
         assert np.array_equal(windows, np.concatenate(each))
 
 
-def test_a_text_build_reports_tokenizing_packing_and_writing(standin, tmp_path):
+def test_a_text_build_reports_tokenizing_packing_and_writing(reduced, tmp_path):
+    standin = reduced["stackoverflow"]["standin"]
     spec = DatasetSpec.from_dict({"source": {"kind": "hf", "path": standin["path"], "feature": "tokens",
                                              "partition_column": "user_id"}, "task": "next_token",
                                   "text": {"tokenizer": "word", "vocab_size": 500, "seq_len": 20},

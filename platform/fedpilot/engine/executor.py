@@ -57,6 +57,12 @@ class StepRule:
 
     def apply_(self, params: Params, grads: Params, active: torch.Tensor) -> None:
         """One SGD step in place on `params` [K, ...] (consuming `grads`) for each client whose `active` flag is set."""
+        for n, g in self.directions(params, grads, active).items():
+            params[n].sub_(g, alpha=self.lr[n])
+
+    def directions(self, params: Params, grads: Params, active: torch.Tensor) -> Params:
+        """What each parameter steps against at `params`, in the memory of `grads`: the gradient with the pull,
+        clipped, with weight decay; zero for clients whose `active` flag is not set."""
         if self.prox:
             for n, g in grads.items():
                 g.add_(params[n] - self.reference[n], alpha=self.prox)
@@ -64,11 +70,13 @@ class StepRule:
         if self.clip_norm is not None:
             norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
             scale = scale * (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
-        for n, p in params.items():
-            g = grads[n] if scale is None else grads[n].mul_(per_client(scale, p))
+        for n, g in grads.items():
+            p = params[n]
+            if scale is not None:
+                g.mul_(per_client(scale, p))
             if self.weight_decay:
                 g.add_(p * per_client(active.to(p.dtype), p), alpha=self.weight_decay)
-            p.sub_(g, alpha=self.lr[n])
+        return grads
 
     @property
     def plain(self) -> bool:
@@ -76,13 +84,9 @@ class StepRule:
         return self.clip_norm is None and not self.weight_decay and not self.prox
 
     def stepped(self, start: Params, grads: Params, active: torch.Tensor) -> Params:
-        """One step from `start` [K, ...] (broadcast rows allowed) into new tensors, consuming `grads`: plain SGD of
-        all clients writes into the gradients' memory in one pass, anything else steps a copy of `start`."""
-        if self.plain and bool(active.all()):
-            return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g) for n, g in grads.items()}
-        params = {n: p.clone(memory_format=torch.contiguous_format) for n, p in start.items()}
-        self.apply_(params, grads, active)
-        return params
+        """One step from `start` [K, ...] (broadcast rows allowed) into the memory of `grads`, consuming them."""
+        return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g)
+                for n, g in self.directions(start, grads, active).items()}
 
     def for_rows(self, rows: slice, params: Params) -> StepRule:
         """This rule for the clients of `rows` alone (their rows of a per-client reference)."""

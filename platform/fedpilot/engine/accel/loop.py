@@ -215,14 +215,16 @@ class BatchedFirstStepExecutor(LoopExecutor):
                    batches: Batches) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
         """`first_step_grads` of every client, batched over `clients_per_call` clients at a time."""
         forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
-        parts = []
-        for rows in self.groups(batches.index.shape[0]):
+        count, groups = batches.index.shape[0], self.groups(batches.index.shape[0])
+        grads: Params = {}
+        losses, metrics = [], []
+        for rows in groups:
             part = first_step_grads(module, forward, self.task, rows_of(clients, rows), fixed, trainable,
                                     batches.inputs(rows, 0), batches.labels[rows, 0], batches.weight[rows, 0])
-            if part is None:
-                return None
-            parts.append(part)
-        if len(parts) == 1:
-            return parts[0]
-        grads, losses, metrics = zip(*parts, strict=True)
-        return {n: torch.cat([g[n] for g in grads]) for n in trainable}, torch.cat(losses), torch.cat(metrics)
+            if part is None or len(groups) == 1:
+                return part
+            for n, g in part[0].items():  # into one buffer: never a second copy of every client's gradients
+                grads.setdefault(n, g.new_empty(count, *g.shape[1:]))[rows] = g
+            losses.append(part[1])
+            metrics.append(part[2])
+        return grads, torch.cat(losses), torch.cat(metrics)

@@ -92,6 +92,18 @@ def test_candidates_take_turns_after_a_warm_up_each_and_a_clear_loser_drops_out(
     assert choice == "a" and seconds == {"a": 0.9, "b": 0.95, "c": 1.6}
 
 
+def test_the_last_candidate_left_in_the_running_takes_no_further_turn(monkeypatch):
+    calls, cost = [], {"a": [1.0, 1.0, 1.0], "b": [1.3, 1.0, 1.0]}
+
+    def best_time(run, device, repeats=1, warm=True):
+        run()
+        return cost[calls[-1]].pop(0)
+
+    monkeypatch.setattr(timing, "best_time", best_time)
+    choice, seconds, _ = fastest(["a", "b"], calls.append, torch.device("cpu"), repeats=3)
+    assert calls == ["a", "b", "a", "b"] and choice == "a"  # b out after the first turn: a has no rival left
+
+
 @pytest.mark.parametrize(("times", "peaks", "expected"), [
     ({"a": [1.0], "b": [1.04]}, {"a": 1500, "b": 1000}, "b"),  # 4% in one turn: noise; b saves a third
     ({"a": [1.0, 1.01, 0.99], "b": [1.04, 1.05, 1.03]}, {"a": 1500, "b": 1000}, "a"),  # faster in every turn
@@ -160,6 +172,26 @@ def test_a_candidate_that_runs_out_of_memory_is_left_out_of_the_timing(error):
     assert set(seconds) == {"loop", "loop_channels_last"}
 
 
+def test_a_candidate_whose_measured_calls_are_believably_slower_takes_no_warm_up_or_turn(monkeypatch):
+    """`slow` and `close` were measured as their calls were sized: the candidate without such seconds warms up first,
+    `slow` (over 1.2 x its warm-up) is left out untouched with its known seconds, `close` warms up and is timed."""
+    calls, cost = [], {"loop": [1.0, 1.0, 1.0], "close": [1.1, 1.05, 0.9]}
+    clock = iter(range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))  # each warm-up: 1 s
+
+    def best_time(run, device, repeats=1, warm=True):  # each candidate's seconds, turn by turn
+        run()
+        return cost[calls[-1]].pop(0)
+
+    monkeypatch.setattr(timing, "best_time", best_time)
+    monkeypatch.setattr(timing, "TIMING_BUDGET_S", 1e9)
+    choice, seconds, _ = fastest(["slow", "close", "loop"], calls.append, torch.device("cpu"),
+                                 known={"slow": 1.3, "close": 1.1})
+    assert "slow" not in calls and calls[:2] == ["loop", "close"]  # warm-ups: the unmeasured one first
+    assert calls[2:] == ["loop", "close"] * 3 and choice == "close"
+    assert seconds == {"slow": 1.3, "loop": 1.0, "close": 0.9}
+
+
 def call_sizes(seconds: dict[int, float], most: int) -> tuple[int, list[int]]:
     """timing.clients_per_call on given seconds per size (a size missing from `seconds` runs out of memory)."""
     tried = []
@@ -170,7 +202,9 @@ def call_sizes(seconds: dict[int, float], most: int) -> tuple[int, list[int]]:
             raise torch.OutOfMemoryError(f"{clients} clients")
         return seconds[clients]
 
-    return timing.clients_per_call(seconds_at, most, torch.device("cpu")), tried
+    size = timing.clients_per_call(seconds_at, most, torch.device("cpu"))
+    assert size.seconds_per_client == (seconds[size.clients] / size.clients if tried[0] in seconds else None)
+    return size.clients, tried
 
 
 def test_a_call_batches_more_clients_only_while_each_client_gets_believably_cheaper():
@@ -181,7 +215,8 @@ def test_a_call_batches_more_clients_only_while_each_client_gets_believably_chea
     assert call_sizes(cpu, 50) == (1, [1, 2])
     assert call_sizes({1: 0.10, 2: 0.15, 4: 0.26}, 50) == (2, [1, 2, 4])  # 4: 14% cheaper a client, not 20%
     assert call_sizes({1: 0.1, 2: 0.12, 4: 0.13}, 3) == (2, [1, 2, 3])  # at most the chunk; 3 out of memory
-    assert call_sizes({1: 0.1}, 1) == (1, [])  # a chunk of one client: nothing to measure
+    assert call_sizes({1: 0.1}, 1) == (1, [1])  # a chunk of one client: its seconds
+    assert call_sizes({}, 8) == (1, [1])  # out of memory with one client: its seconds unknown
 
 
 def test_when_every_candidate_runs_out_of_memory_the_error_is_raised_and_other_errors_are_not_caught():

@@ -122,7 +122,8 @@ def kept_by_the_rule(stage) -> bool:
     """The stage kept its fastest candidate, or a leaner one within SAME_SPEED of it (`timing.kept`)."""
     from fedpilot.engine.accel.timing import MATERIAL_MEMORY, SAME_SPEED
 
-    seconds, peaks = stage.executor_seconds, stage.executor_peak_bytes
+    peaks = stage.executor_peak_bytes  # of the candidates timed (not those their sized calls left out)
+    seconds = {n: s for n, s in stage.executor_seconds.items() if n in peaks}
     best = min(seconds, key=seconds.get)
     return stage.execution == best or (seconds[stage.execution] <= SAME_SPEED * seconds[best]
                                        and peaks[stage.execution] < (1 - MATERIAL_MEMORY) * peaks[best])
@@ -175,7 +176,8 @@ def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
     assert [k for k, _ in rounds] == [5, 3, 5, 3] and max(most for _, most in rounds) > TRIAL_STEPS  # not capped
     first_turn = next(i for i, (_, most) in enumerate(trials) if most > 1)
     one_step, turns = trials[:first_turn], trials[first_turn:]
-    warm_ups = len(executor_candidates(stage.model))
+    warm_ups = len(stage.executor_peak_bytes)  # every candidate but those their sized calls showed slower
+    assert set(stage.executor_seconds) == set(executor_candidates(stage.model))
     assert one_step[-warm_ups:] == [(5, 1.0)] * warm_ups  # each candidate warms up on one step of the chunk
     assert turns and all(trial == (5, TRIAL_STEPS) for trial in turns)
     # before them, the executors that batch clients measured a call of 1, 2, 4, (5) clients, each after a warm-up

@@ -244,16 +244,23 @@ class FederatedStage(L.LightningModule):
         random state is restored) and keep the fastest for the stage, or a leaner one the fastest is not believably
         faster than (`timing.kept`). Executors that batch clients first measure how many a call takes
         (`timing.clients_per_call`), so that neither their timing nor their rounds hold more clients' work at once
-        than their speed gains from. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
+        than their speed gains from, and one that its calls show to be believably slower than a warm-up of the
+        others takes no warm-up or turn. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
         times the candidates under bf16. Under DDP every process takes rank 0's choice."""
         chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         candidates = executor_candidates(self.model, self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             run = self.trial(round_idx, chunk)
-            self.clients_per_call = {name: clients_per_call(self.call_seconds(run, name), len(chunk), self.device)
-                                     for name in candidates if choose(name, self.model, self.device).groups_clients}
-            timed = fastest(candidates, run, self.device, weigh_memory=True, warm_up=lambda name: run(name, steps=1))
+            sized = {name: clients_per_call(self.call_seconds(run, name), len(chunk), self.device)
+                     for name in candidates if choose(name, self.model, self.device).groups_clients}
+            self.clients_per_call = {name: size.clients for name, size in sized.items()}
+            known = {name: size.seconds_per_client * len(chunk) for name, size in sized.items()
+                     if size.seconds_per_client is not None}  # one step a phase of the chunk: the warm-up's work
+            timed = fastest(candidates, run, self.device, weigh_memory=True, warm_up=lambda name: run(name, steps=1),
+                            known=known)
         release_freed_memory(self.device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
+        left_out = {n: TRIAL_STEPS * known[n] for n in timed.seconds if n in known and n not in timed.peak_bytes}
+        timed = timed._replace(seconds={**timed.seconds, **left_out})  # a turn's steps, at its measured step
         chosen = (timed, self.clients_per_call)
         if distributed():
             shared = [chosen]

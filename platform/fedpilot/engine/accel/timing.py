@@ -51,23 +51,30 @@ def best_time(run: Callable[[], object], device: torch.device, repeats: int = 3,
 
 def fastest(candidates: list[str], run: Callable[[str], None], device: torch.device, repeats: int = 3,
             out_of_the_running: float = SAME_SPEED, weigh_memory: bool = False,
-            warm_up: Callable[[str], None] | None = None) -> Timed:
+            warm_up: Callable[[str], None] | None = None, known: dict[str, float] | None = None) -> Timed:
     """The candidate whose `run(candidate)` takes least time, and each one's seconds: the best of up to `repeats`
     runs after a warm-up run of each, the candidates taking turns (a b c a b c ...) so that a change in the
     machine's load during the timing falls on all of them alike. A candidate slower than `out_of_the_running`
     times the best after a turn (by default SAME_SPEED: believably slower, so `kept` could not keep it) is not run
-    again (its best so far is its seconds); nor, where memory weighs in, one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in
-    its warm-up run is left out with a warning (vmap holds every client's gradients at once, the loop one client's);
+    again (its best so far is its seconds), and one left alone takes no further turn; nor, where memory weighs in,
+    one that a leaner candidate has been as fast as (`outweighed`). A candidate that runs out of memory in its
+    warm-up run is left out with a warning (vmap holds every client's gradients at once, the loop one client's);
     when all of them do, the first one's error is raised. `warm_up(candidate)`, when given, is the warm-up run: a
     shorter run of the same work that pays the first call's costs (tracing, allocation) and reaches the same peak
     memory. With `weigh_memory`, each warm-up's peak memory is measured and a leaner candidate is kept where the
-    fastest is not believably faster (`kept`).
+    fastest is not believably faster (`kept`). `known`: candidates' seconds for the warm-up's work measured
+    beforehand (as their calls were sized, `clients_per_call`); such a candidate warms up after the others, and not
+    at all where its known seconds are over `out_of_the_running` times the quickest of their warm-ups (which a
+    warm-up's first-call costs only make slower): it is left out with its known seconds.
 
     The timing is bounded where the work is large (a federation's first round of a large model): once it has
     taken TIMING_BUDGET_S, a candidate whose warm-up took more than WARM_OUT times the fastest warm-up is out, and
     no turn starts after the budget is spent (at least one timed turn runs)."""
-    start, warm, peaks, warm_up = time.perf_counter(), {}, {}, warm_up or run
-    for name in candidates:
+    start, warm, peaks, warm_up, known, left_out = time.perf_counter(), {}, {}, warm_up or run, known or {}, {}
+    for name in sorted(candidates, key=lambda name: name in known):
+        if name in known and warm and known[name] > out_of_the_running * min(warm.values()):
+            left_out[name] = known[name]
+            continue
         began = time.perf_counter()
         with PeakMemory(device) if weigh_memory else nullcontext() as memory:
             fits = within_memory(lambda name=name: warm_up(name), device)[0]
@@ -91,10 +98,11 @@ def fastest(candidates: list[str], run: Callable[[str], None], device: torch.dev
         best = min(min(t) for t in times.values())
         running = [name for name in running
                    if min(times[name]) <= out_of_the_running * best and not outweighed(name, times, peaks)]
-        if time.perf_counter() - start > TIMING_BUDGET_S:
-            break
+        if len(running) < 2 or time.perf_counter() - start > TIMING_BUDGET_S:
+            break  # one left has nothing to be timed against
     seconds = {name: min(t) for name, t in times.items()}
-    return Timed(kept(times, peaks), {**{n: w for n, w in warm.items() if n not in seconds}, **seconds}, peaks)
+    untimed = {**left_out, **{n: w for n, w in warm.items() if n not in seconds}}
+    return Timed(kept(times, peaks), {**untimed, **seconds}, peaks)
 
 
 def kept(times: dict[str, list[float]], peaks: dict[str, int]) -> str:
@@ -127,24 +135,29 @@ def believably_faster(a: list[float], b: list[float]) -> bool:
     return min(b) > SAME_SPEED * min(a) or (len(turns) >= 2 and all(x < y for x, y in turns))
 
 
-def clients_per_call(seconds_at: Callable[[int], float], most: int, device: torch.device) -> int:
+class CallSize(NamedTuple):
+    """How many clients a call takes, and the seconds a client's share of such a call took."""
+
+    clients: int
+    seconds_per_client: float | None
+
+
+def clients_per_call(seconds_at: Callable[[int], float], most: int, device: torch.device) -> CallSize:
     """How many clients one call of an executor that batches them should take: from one, doubled while twice as
     many make each client's share of a call's seconds (`seconds_at(clients)`) believably cheaper (SAME_SPEED: twice
     the clients' memory for a gain under 20% is the trade `kept` refuses), at most `most`. A GPU's call costs about
     the same for one client as for many until the GPU is busy; a CPU's grows with the clients from the first: the
     memory, which grows with them, then follows what the speed gains. A size that runs out of memory ends the
-    doubling."""
-    if most <= 1:
-        return 1
-    fits, seconds = within_memory(lambda: seconds_at(1), device)
-    size, share = 1, seconds
+    doubling; one at a single client leaves the share unknown (None)."""
+    fits, share = within_memory(lambda: seconds_at(1), device)
+    size = 1
     while fits and size < most:
         more = min(2 * size, most)
         fits, seconds = within_memory(lambda more=more: seconds_at(more), device)
         if not fits or SAME_SPEED * seconds / more >= share:
             break
         size, share = more, seconds / more
-    return size
+    return CallSize(size, share)
 
 
 def within_memory(run: Callable[[], T], device: torch.device) -> tuple[bool, T | None]:

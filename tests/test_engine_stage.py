@@ -66,6 +66,7 @@ def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(t
     assert resumed.execution == interrupted.execution
     assert resumed.executor_seconds == interrupted.executor_seconds
     assert resumed.clients_per_call == interrupted.clients_per_call and "vmap" in interrupted.clients_per_call
+    assert resumed.executor_timing_s == interrupted.executor_timing_s > 0
 
 
 def test_cohort_is_seeded_uniform_without_replacement():

@@ -110,6 +110,7 @@ def test_pipeline_against_a_real_tracking_server(mlflow_server, tmp_path):
     assert stages[0].data.metrics["peak_memory_bytes"] > 10 * 2**20
     timed = stages[0].data.metrics  # the executor timing: seconds, peak and clients per call of the vmaps
     assert timed["executor_clients_per_call_vmap"] >= 1 and timed["executor_seconds_vmap"] > 0
+    assert timed["executor_timing_s"] > 0
 
 
 def test_fedpilot_ui_serves_the_configured_store(tmp_path):

@@ -87,6 +87,7 @@ class FederatedStage(L.LightningModule):
         self.executor_seconds: dict[str, float] = {}  # candidate -> seconds on the first round's first chunk
         self.executor_peak_bytes: dict[str, int] = {}  # candidate -> peak memory there
         self.clients_per_call: dict[str, int] = {}  # candidate that batches clients -> how many a call takes
+        self.executor_timing_s: float | None = None  # what choosing the executor took (`auto`)
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics (step = rounds done); callbacks get round_result
@@ -172,7 +173,8 @@ class FederatedStage(L.LightningModule):
                                   "server_state": self.server_state, "execution": self.execution,
                                   "executor_seconds": self.executor_seconds,
                                   "executor_peak_bytes": self.executor_peak_bytes,
-                                  "clients_per_call": self.clients_per_call}
+                                  "clients_per_call": self.clients_per_call,
+                                  "executor_timing_s": self.executor_timing_s}
         if self.changes_folder is None:
             return
         for name in ("bank", "state_bank"):
@@ -196,6 +198,7 @@ class FederatedStage(L.LightningModule):
             self.executor_seconds = dict(saved.get("executor_seconds", {}))
             self.executor_peak_bytes = dict(saved.get("executor_peak_bytes", {}))
             self.clients_per_call = dict(saved.get("clients_per_call", {}))
+            self.executor_timing_s = saved.get("executor_timing_s")
 
     # ---- one round -----------------------------------------------------------------------------------------
     def _cohort_size(self) -> int:
@@ -247,6 +250,7 @@ class FederatedStage(L.LightningModule):
         than their speed gains from, and one that its calls show to be believably slower than a warm-up of the
         others takes no warm-up or turn. bf16 is never a candidate: it changes the numbers; `precision: bf16-mixed`
         times the candidates under bf16. Under DDP every process takes rank 0's choice."""
+        began = time.perf_counter()
         chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
         candidates = executor_candidates(self.model, self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -267,6 +271,7 @@ class FederatedStage(L.LightningModule):
             dist.broadcast_object_list(shared, src=0)
             chosen = shared[0]
         (self.execution, self.executor_seconds, self.executor_peak_bytes), self.clients_per_call = chosen
+        self.executor_timing_s = time.perf_counter() - began
 
     def call_seconds(self, run: Callable[..., None], name: str) -> Callable[[int], float]:
         """seconds(n): the first step of each local phase of the chunk's first n clients by executor `name` in one

@@ -269,7 +269,8 @@ class PipelineRunner:
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
                      **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()},
                      **{f"executor_peak_bytes_{n}": v for n, v in stage.executor_peak_bytes.items()},
-                     **{f"executor_clients_per_call_{n}": v for n, v in stage.clients_per_call.items()}}
+                     **{f"executor_clients_per_call_{n}": v for n, v in stage.clients_per_call.items()},
+                     **({"executor_timing_s": stage.executor_timing_s} if stage.executor_timing_s is not None else {})}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)

@@ -192,31 +192,65 @@ def test_a_candidate_whose_measured_calls_are_believably_slower_takes_no_warm_up
     assert seconds == {"slow": 1.3, "loop": 1.0, "close": 0.9}
 
 
-def call_sizes(seconds: dict[int, float], most: int) -> tuple[int, list[int]]:
-    """timing.clients_per_call on given seconds per size (a size missing from `seconds` runs out of memory)."""
-    tried = []
+class GivenRise:
+    """timing.MemoryRise with a given rise over a given start (None: unknown)."""
+
+    rise: int | None = None
+    start: int = 2**30
+
+    def __init__(self, device: torch.device):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def call_sizes(seconds: dict[int, float | list[float]], most: int, rise: int | None = None) -> tuple[int, list[int]]:
+    """timing.clients_per_call on given seconds per size (a list: run after run; a size missing from `seconds` runs
+    out of memory) and memory one client's call adds (None: unknown), and the sizes run in order."""
+    tried, runs = [], {n: v if isinstance(v, list) else [v] * 2 for n, v in seconds.items()}
+    GivenRise.rise = rise
 
     def seconds_at(clients: int) -> float:
         tried.append(clients)
-        if clients not in seconds:
+        if clients not in runs:
             raise torch.OutOfMemoryError(f"{clients} clients")
-        return seconds[clients]
+        return runs[clients].pop(0)
 
-    size = timing.clients_per_call(seconds_at, most, torch.device("cpu"))
-    assert size.seconds_per_client == (seconds[size.clients] / size.clients if tried[0] in seconds else None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timing, "MemoryRise", GivenRise)
+        size = timing.clients_per_call(seconds_at, most, torch.device("cpu"))
+    call_sizes.share = size.seconds_per_client
     return size.clients, tried
 
 
 def test_a_call_batches_more_clients_only_while_each_client_gets_believably_cheaper():
     gpu = {n: max(0.05, 0.004 * n) for n in (1, 2, 4, 8, 10, 16, 32, 50)}  # the same cost until the device is busy
-    assert call_sizes(gpu, 50) == (16, [1, 2, 4, 8, 16, 32])  # 32: 4 ms a client, as at 16
-    assert call_sizes(gpu, 10) == (10, [1, 2, 4, 8, 10])
+    assert call_sizes(gpu, 50) == (16, [1, 1, 2, 4, 8, 16, 32, 32])  # 32: 4 ms a client, as at 16 (twice)
+    assert call_sizes(gpu, 10) == (10, [1, 1, 2, 4, 8, 10])  # one run of a size that is cheaper enough
     cpu = {1: 0.10, 2: 0.19, 4: 0.37}  # the work from the first client on
-    assert call_sizes(cpu, 50) == (1, [1, 2])
-    assert call_sizes({1: 0.10, 2: 0.15, 4: 0.26}, 50) == (2, [1, 2, 4])  # 4: 14% cheaper a client, not 20%
-    assert call_sizes({1: 0.1, 2: 0.12, 4: 0.13}, 3) == (2, [1, 2, 3])  # at most the chunk; 3 out of memory
-    assert call_sizes({1: 0.1}, 1) == (1, [1])  # a chunk of one client: its seconds
-    assert call_sizes({}, 8) == (1, [1])  # out of memory with one client: its seconds unknown
+    assert call_sizes(cpu, 50) == (1, [1, 1, 2, 2])
+    assert call_sizes({1: 0.10, 2: 0.15, 4: 0.26}, 50) == (2, [1, 1, 2, 4, 4])  # 4: 14% cheaper a client, not 20%
+    assert call_sizes({1: [0.2, 0.1], 2: [0.19, 0.12]}, 8) == (2, [1, 1, 2, 2, 4])  # first calls slower; 4: no memory
+    assert call_sizes({1: 0.1, 2: 0.12, 4: 0.13}, 3) == (2, [1, 1, 2, 3])  # at most the chunk; 3 out of memory
+    assert call_sizes({1: 0.1}, 1) == (1, [1, 1])  # a chunk of one client: its seconds
+    assert call_sizes({}, 8) == (1, [1]) and call_sizes.share is None  # out of memory with one client
+    assert call_sizes(cpu, 50) == (1, [1, 1, 2, 2]) and call_sizes.share == 0.10
+    # one client's call adds 1 MiB to the process's 1 GiB: all 50 add under a tenth; taken, its share unmeasured
+    assert call_sizes(cpu, 50, rise=2**20) == (50, [1, 1]) and call_sizes.share is None
+    assert call_sizes(cpu, 50, rise=2**22) == (1, [1, 1, 2, 2])  # 50 x 4 MiB: measured
+
+
+def test_the_memory_a_block_adds_is_measured_from_its_start():
+    with timing.MemoryRise(torch.device("cpu")) as rise:
+        block = torch.ones(64 * 2**20)  # 256 MiB, touched
+        del block
+    if rise.rise is None:
+        pytest.skip("no /proc/self/status and clear_refs: not Linux")
+    assert 250 * 2**20 < rise.rise < 300 * 2**20 and rise.start > 0
 
 
 def test_when_every_candidate_runs_out_of_memory_the_error_is_raised_and_other_errors_are_not_caught():

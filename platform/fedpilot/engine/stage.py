@@ -275,9 +275,10 @@ class FederatedStage(L.LightningModule):
 
     def call_seconds(self, run: Callable[..., None], name: str) -> Callable[[int], float]:
         """seconds(n): the first step of each local phase of the chunk's first n clients by executor `name` in one
-        call (a first step is the batched one of `loop_batched_first`), after a warm-up run."""
+        call (a first step is the batched one of `loop_batched_first`)."""
         def seconds(clients: int) -> float:
-            return best_time(lambda: run(name, steps=1, clients=clients, per_call=clients), self.device, repeats=1)
+            return best_time(lambda: run(name, steps=1, clients=clients, per_call=clients), self.device, repeats=1,
+                             warm=False)
         return seconds
 
     def trial(self, round_idx: int, chunk: torch.Tensor) -> Callable[..., None]:

@@ -14,6 +14,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import torch
@@ -83,6 +84,46 @@ class PeakMemory:
             self._thread.join()
         else:
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+
+class MemoryRise:
+    """How far a block raised the memory in use above its start (`rise`), and that start (`start`), in bytes: on a
+    GPU torch's allocation; on a Linux CPU the resident set, its high-water mark reset at the start
+    (/proc/self/clear_refs) after the allocator's free memory is handed back; None where neither is known."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start: int | None = None
+        self.rise: int | None = None
+
+    def __enter__(self) -> MemoryRise:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = int(torch.cuda.memory_allocated(self.device))
+        elif _status("VmRSS") is not None:
+            release_freed_memory()
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            except OSError:
+                return self
+            self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.start is None:
+            return
+        peak = (int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda"
+                else _status("VmHWM"))
+        self.rise = None if peak is None else max(peak - self.start, 0)
+
+
+def _status(field: str) -> int | None:
+    """A memory field of /proc/self/status in bytes (None off Linux)."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return None
+    line = next((line for line in status.read_text().splitlines() if line.startswith(f"{field}:")), None)
+    return None if line is None else int(line.split()[1]) * 1024
 
 
 def data_fits(nbytes: Callable[[], int], device: torch.device, budget: int | None) -> bool:

@@ -12,7 +12,7 @@ from typing import NamedTuple, TypeVar
 import psutil
 import torch
 
-from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
+from fedpilot.engine.accel.memory import MemoryRise, PeakMemory, release_freed_memory
 
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
@@ -144,16 +144,26 @@ class CallSize(NamedTuple):
 
 def clients_per_call(seconds_at: Callable[[int], float], most: int, device: torch.device) -> CallSize:
     """How many clients one call of an executor that batches them should take: from one, doubled while twice as
-    many make each client's share of a call's seconds (`seconds_at(clients)`) believably cheaper (SAME_SPEED: twice
-    the clients' memory for a gain under 20% is the trade `kept` refuses), at most `most`. A GPU's call costs about
-    the same for one client as for many until the GPU is busy; a CPU's grows with the clients from the first: the
-    memory, which grows with them, then follows what the speed gains. A size that runs out of memory ends the
-    doubling; one at a single client leaves the share unknown (None)."""
-    fits, share = within_memory(lambda: seconds_at(1), device)
+    many make each client's share of a call's seconds (`seconds_at(clients)`, one run) believably cheaper
+    (SAME_SPEED: twice the clients' memory for a gain under 20% is the trade `kept` refuses), at most `most`. A GPU's
+    call costs about the same for one client as for many until the GPU is busy; a CPU's grows with the clients from
+    the first: the memory, which grows with them, then follows what the speed gains. One client is measured after a
+    first run (which pays what any first call does); a larger call is run again only where its first run was not
+    cheaper enough, since a first call at a new size can only look slower. A size that runs out of memory ends the
+    doubling; one at a single client leaves the share unknown (None). Where one client's call adds so little memory
+    that `most` of them would add under MATERIAL_MEMORY of what the process holds (a small model), the call takes
+    them all, unmeasured."""
+    fits = within_memory(lambda: seconds_at(1), device)[0]  # pays what any first call does
+    with MemoryRise(device) as one:
+        fits, share = within_memory(lambda: seconds_at(1), device) if fits else (False, None)
+    if fits and one.rise is not None and most * one.rise < MATERIAL_MEMORY * one.start:
+        return CallSize(most, None)  # its share of a call of all of them was not measured
     size = 1
     while fits and size < most:
         more = min(2 * size, most)
         fits, seconds = within_memory(lambda more=more: seconds_at(more), device)
+        if fits and SAME_SPEED * seconds / more >= share:
+            fits, seconds = within_memory(lambda more=more: seconds_at(more), device)
         if not fits or SAME_SPEED * seconds / more >= share:
             break
         size, share = more, seconds / more

@@ -240,7 +240,7 @@ def test_a_call_batches_more_clients_only_while_each_client_gets_believably_chea
     assert call_sizes({}, 8) == (1, [1]) and call_sizes.share is None  # out of memory with one client
     assert call_sizes(cpu, 50) == (1, [1, 1, 2, 2]) and call_sizes.share == 0.10
     # one client's call adds 1 MiB to the process's 1 GiB: all 50 add under a tenth; taken, its share unmeasured
-    assert call_sizes(cpu, 50, rise=2**20) == (50, [1, 1]) and call_sizes.share is None
+    assert call_sizes(cpu, 50, rise=2**20) == (50, [1]) and call_sizes.share is None
     assert call_sizes(cpu, 50, rise=2**22) == (1, [1, 1, 2, 2])  # 50 x 4 MiB: measured
 
 

@@ -150,14 +150,14 @@ def clients_per_call(seconds_at: Callable[[int], float], most: int, device: torc
     the first: the memory, which grows with them, then follows what the speed gains. One client is measured after a
     first run (which pays what any first call does); a larger call is run again only where its first run was not
     cheaper enough, since a first call at a new size can only look slower. A size that runs out of memory ends the
-    doubling; one at a single client leaves the share unknown (None). Where one client's call adds so little memory
-    that `most` of them would add under MATERIAL_MEMORY of what the process holds (a small model), the call takes
-    them all, unmeasured."""
-    fits = within_memory(lambda: seconds_at(1), device)[0]  # pays what any first call does
-    with MemoryRise(device) as one:
-        fits, share = within_memory(lambda: seconds_at(1), device) if fits else (False, None)
+    doubling; one at a single client leaves the share unknown (None). Where the first call of one client adds so
+    little memory that `most` of them would add under MATERIAL_MEMORY of what the process holds (a small model),
+    the call takes them all, unmeasured."""
+    with MemoryRise(device) as one:  # a first call's own allocations only make the rise look larger
+        fits = within_memory(lambda: seconds_at(1), device)[0]  # pays what any first call does
     if fits and one.rise is not None and most * one.rise < MATERIAL_MEMORY * one.start:
         return CallSize(most, None)  # its share of a call of all of them was not measured
+    fits, share = within_memory(lambda: seconds_at(1), device) if fits else (False, None)
     size = 1
     while fits and size < most:
         more = min(2 * size, most)

@@ -15,7 +15,7 @@ from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import for_each_client
-from fedpilot.engine.accel.vmap import mean_of_steps, rows_of
+from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
 from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, models_own
 from fedpilot.engine.task import Task
 
@@ -219,7 +219,7 @@ class BatchedFirstStepExecutor(LoopExecutor):
         grads: Params = {}
         losses, metrics = [], []
         for rows in groups:
-            part = first_step_grads(module, forward, self.task, rows_of(clients, rows), fixed, trainable,
+            part = first_step_grads(module, forward, self.task, client_rows(clients, rows), fixed, trainable,
                                     batches.inputs(rows, 0), batches.labels[rows, 0], batches.weight[rows, 0])
             if part is None or len(groups) == 1:
                 return part

@@ -100,24 +100,24 @@ class MemoryRise:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = int(torch.cuda.memory_allocated(self.device))
-        elif _status("VmRSS") is not None:
+        elif process_status("VmRSS") is not None:
             release_freed_memory()
             try:
                 Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             except OSError:
                 return self
-            self.start = _status("VmRSS")
+            self.start = process_status("VmRSS")
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.start is None:
             return
         peak = (int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda"
-                else _status("VmHWM"))
+                else process_status("VmHWM"))
         self.rise = None if peak is None else max(peak - self.start, 0)
 
 
-def _status(field: str) -> int | None:
+def process_status(field: str) -> int | None:
     """A memory field of /proc/self/status in bytes (None off Linux)."""
     status = Path("/proc/self/status")
     if not status.is_file():

@@ -6,13 +6,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import psutil
 import torch
 
-from fedpilot.engine.accel.memory import MemoryRise, PeakMemory, release_freed_memory
+from fedpilot.engine.accel.memory import MemoryRise, PeakMemory, process_status, release_freed_memory
 
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn
@@ -195,14 +194,13 @@ def host_memory_cap(device: torch.device) -> Iterator[None]:
     may grow by at most TRIAL_SHARE of the memory available. Linux overcommits, so an allocation beyond the
     machine's memory succeeds and the kernel's OOM killer ends the process (or a neighbour) once it is touched;
     under the cap it fails at once, as torch's out-of-memory error, and `within_memory` can tell."""
-    status = Path("/proc/self/status")
-    if device.type != "cpu" or not status.is_file():
+    used = process_status("VmData") if device.type == "cpu" else None
+    if used is None:
         yield
         return
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    used = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith("VmData:"))
     cap = used + int(psutil.virtual_memory().available * TRIAL_SHARE)
     cap = min([cap] + [limit for limit in (soft, hard) if limit != resource.RLIM_INFINITY])
     resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))

@@ -75,14 +75,15 @@ class VmapExecutor(Executor):
               batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
         keep_freed_memory(batches.source.device)
         trainable = {n: p.clone() for n, p in trainable.items()}
-        groups = [(rows, self.stepper(module, rule.for_rows(rows, trainable)), stats.rows(rows))
+        groups = [(rows, self.stepper(module, rule.for_rows(rows, trainable)), stats.rows(rows),
+                   client_rows(trainable, rows), client_rows(frozen, rows))  # views: the steps update trainable
                   for rows in self.groups(batches.index.shape[0])]
         for s in range(batches.index.shape[1]):
-            for rows, step, their_stats in groups:
+            for rows, step, their_stats, their_trainable, their_frozen in groups:
                 active = batches.active[rows, s]
                 if not bool(active.any()):
                     continue
-                loss, acc = step(rows_of(trainable, rows), rows_of(frozen, rows), fixed, batches.inputs(rows, s),
+                loss, acc = step(their_trainable, their_frozen, fixed, batches.inputs(rows, s),
                                  batches.labels[rows, s], batches.weight[rows, s], active)
                 their_stats.add(loss, acc, active)
         return trainable
@@ -93,18 +94,19 @@ class VmapExecutor(Executor):
         step_grad = self.step_grad(module)
         total = {n: torch.zeros_like(p) for n, p in params.items()}
         count = torch.zeros(batches.index.shape[0], device=batches.active.device)
+        groups = [(rows, stats.rows(rows), client_rows(params, rows), client_rows(frozen, rows))
+                  for rows in self.groups(batches.index.shape[0])]
         for s in range(batches.index.shape[1]):
-            for rows in self.groups(batches.index.shape[0]):
+            for rows, their_stats, their_params, their_frozen in groups:
                 active = batches.active[rows, s]
                 if not bool(active.any()):
                     continue
-                grads, (loss, acc) = step_grad(rows_of(params, rows), rows_of(frozen, rows), fixed,
-                                               batches.inputs(rows, s), batches.labels[rows, s],
-                                               batches.weight[rows, s])
+                grads, (loss, acc) = step_grad(their_params, their_frozen, fixed, batches.inputs(rows, s),
+                                               batches.labels[rows, s], batches.weight[rows, s])
                 for n, g in grads.items():
                     total[n][rows] += g * per_client(active.to(g.dtype), g)
                 count[rows] += active
-                stats.rows(rows).add(loss, acc, active)
+                their_stats.add(loss, acc, active)
         return mean_of_steps(total, count)
 
 
@@ -118,7 +120,7 @@ class VmapAutogradExecutor(VmapExecutor):
         return clients_grad(module, self.forward, self.task)
 
 
-def rows_of(params: Params, rows: slice) -> Params:
+def client_rows(params: Params, rows: slice) -> Params:
     """The clients of `rows` of per-client parameters [K, ...] (views)."""
     return {n: p[rows] for n, p in params.items()}
 

@@ -40,6 +40,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
 
         [project.entry-points."fedpilot.algorithms"]
         twostep = "lab_fl.algorithm:TwoStep"
+        plain = "lab_fl.algorithm:Plain"
 
         [project.entry-points."fedpilot.models"]
         wide = "lab_fl.model:Wide"
@@ -57,7 +58,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
 
         from pydantic import Field
 
-        from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
+        from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Tunable, Upload, step_size
 
 
         class TwoStepParams(AlgorithmParams):
@@ -68,10 +69,18 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
         class TwoStep(Algorithm):
             name = "twostep"
             Params = TwoStepParams
+            tunable = {"params.lr_v": step_size(), "params.personal_epochs": Tunable(0.5, 4.0, budget=True)}
 
             def local_update(self, cohort: Cohort) -> Upload:
                 cohort.personal = cohort.sgd("personal", lr=self.p.lr_v, epochs=self.p.personal_epochs).personal
                 return Upload(shared=cohort.sgd("shared").shared)
+
+
+        class Plain(TwoStep):
+            """The same steps, declaring nothing tunable."""
+
+            name = "plain"
+            tunable = {}
         ''',
     "lab_fl/model.py": '''
         import math
@@ -322,6 +331,25 @@ def test_run_and_search_use_the_plugin_and_its_code_is_in_the_stage_key(lab, wor
     code, output = cli("search", pipeline, "--trials", "2", "--storage", f"sqlite:///{workdir}/studies.db")
     assert code == 0, output
     assert "study lab: 2 finished trials" in output and "'stages.1.params.lr_v'" in output, output
+
+
+def test_space_auto_searches_what_the_plugin_declares_and_refuses_a_plugin_declaring_nothing(lab, workdir):
+    from fedpilot.spec import load_pipeline
+
+    auto = {**PIPELINE, "search": {**PIPELINE["search"], "space": "auto", "stages": ["twostep"]}}
+    space = load_pipeline(write_pipeline(workdir, auto)).search.space
+    assert set(space) == {"stages.1.params.lr_v"} and (space["stages.1.params.lr_v"].low,
+                                                       space["stages.1.params.lr_v"].high) == (0.002, 0.2)
+    with_budget = {**auto, "search": {**auto["search"], "tune_budget": True}}
+    assert set(load_pipeline(write_pipeline(workdir, with_budget)).search.space) == {
+        "stages.1.params.lr_v", "stages.1.params.personal_epochs"}
+    plain = {**auto, "stages": [auto["stages"][0], {**auto["stages"][1], "algorithm": "plain"}]}
+    before = sorted(p.name for p in workdir.iterdir())
+    code, output = cli("search", str(write_pipeline(workdir, plain)), "--storage", f"sqlite:///{workdir}/s.db")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "stages.1.algorithm='plain': declares nothing tunable" in errors[0], output
+    assert "Traceback" not in output and not (workdir / "s.db").exists()
+    assert sorted(p.name for p in workdir.iterdir()) == before
 
 
 def test_the_plugins_model_and_source_code_are_in_the_stage_key_and_the_dataset_fingerprint(lab):

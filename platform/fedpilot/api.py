@@ -5,7 +5,8 @@ public test helpers).
 
 - an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`), which sees a `Cohort`
   (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side (`Aggregator`,
-  `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`);
+  `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`); it declares what is worth tuning in
+  `tunable` (`Tunable` ranges by stage key; `step_size()` for a step size), which `space: auto` searches;
 - a model: built as `model(input_shape, num_classes, **options)`, like the built-in ones: a function that returns a
   `Net(body, head)`, or a `Net` subclass (its options: the keyword parameters after those two, typed by their
   annotations);
@@ -32,7 +33,9 @@ from fedpilot.engine.protocol import (
     ReducibleAggregator,
     RoundInfo,
     StatefulParams,
+    Tunable,
     Upload,
+    step_size,
 )
 from fedpilot.errors import SpecError
 
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
     Params = Tensors  # deprecated: the old name of Tensors
 
 __all__ = ["PERSONAL_AND_SHARED", "Aggregator", "Algorithm", "AlgorithmParams", "Params", "ReducibleAggregator",
-           "RoundInfo", "SpecError", "StatefulParams", "Tensors", "Upload",
+           "RoundInfo", "SpecError", "StatefulParams", "Tensors", "Tunable", "Upload", "step_size",
            *_LAZY]
 
 

@@ -180,6 +180,10 @@ def _walk(model: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[type[Base
         if isinstance(part, str) and part in tags:
             current = tags[part]
             continue
+        member = _union_member(current, part)
+        if member is not None:  # pydantic's label of the union member it tried (`dict[str,...]`): not a key
+            current = member
+            continue
         if isinstance(current, type) and issubclass(current, BaseModel):
             owner = current
             current = current.model_fields[part].annotation if part in current.model_fields else None
@@ -187,6 +191,16 @@ def _walk(model: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[type[Base
             current = get_args(current)[-1] if get_args(current) else None
         path.append(str(part))
     return owner, current, path
+
+
+def _union_member(annotation: Any, label: str | int) -> Any:
+    """The member of a plain union that pydantic's error location `label` names (`dict[str,...]`, a model's name),
+    or None."""
+    if get_origin(annotation) not in (Union, UnionType) or not isinstance(label, str):
+        return None
+    kind = label.split("[", 1)[0]
+    return next((m for m in map(_strip, get_args(annotation))
+                 if kind in (getattr(get_origin(m), "__name__", None), getattr(m, "__name__", None))), None)
 
 
 def _strip(annotation: Any) -> Any:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from fedpilot.engine.protocol import Algorithm, AlgorithmParams
+from fedpilot.engine.config import LocalConfig, ServerConfig
+from fedpilot.engine.protocol import Algorithm, AlgorithmParams, Tunable
 from fedpilot.registry import Registry
 
 
@@ -21,6 +22,22 @@ def algorithm_problem(name: str, component: Any) -> str | None:
         return "has a Params that is not a subclass of fedpilot.api.AlgorithmParams"
     if getattr(component, "name", None) != name:
         return f"sets name = {getattr(component, 'name', None)!r}: an algorithm's name is its entry point's, {name!r}"
+    return tunable_problem(component)
+
+
+def tunable_problem(algorithm: type[Algorithm]) -> str | None:
+    """What is wrong with an algorithm's `tunable` declaration, or None: a dict of Tunable by a stage key that exists
+    (`local.<field>`, `server.<field>`, `params.<field of its Params>`), fallbacks included."""
+    declared = algorithm.tunable
+    if not isinstance(declared, dict) or not all(isinstance(t, Tunable) for t in declared.values()):
+        return "has a `tunable` that is not a dict of fedpilot.api.Tunable by stage key"
+    fields = {"local": LocalConfig.model_fields, "server": ServerConfig.model_fields,
+              "params": algorithm.Params.model_fields}
+    for key in [*declared, *(t.fallback for t in declared.values() if t.fallback)]:
+        block, _, field = str(key).partition(".")
+        if field not in fields.get(block, {}):
+            return (f"declares tunable {key!r}, which is not a stage key (local.<field>, server.<field> or "
+                    "params.<field of its Params>)")
     return None
 
 

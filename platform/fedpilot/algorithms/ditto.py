@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Tunable, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -38,6 +38,8 @@ class Ditto(Algorithm):
 
     name = "ditto"
     Params = DittoParams
+    tunable = {"local.lr": step_size(), "params.lr_v": step_size("local.lr"),
+               "params.lam": Tunable(1e-3, 10.0)}  # Pillutla et al. tune lambda over 1e-4..1
     personal_copy = True
 
     @property

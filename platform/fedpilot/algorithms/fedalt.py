@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -37,6 +37,7 @@ class FedAlt(Algorithm):
 
     name = "fedalt"
     Params = FedAltParams
+    tunable = {"params.lr_u": step_size("local.lr"), "params.lr_v": step_size("local.lr")}
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedpilot.api import Algorithm, Upload
+from fedpilot.api import Algorithm, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -14,6 +14,7 @@ class FedAvg(Algorithm):
     """Every parameter is shared: local SGD on the whole model, the server averages by sample count."""
 
     name = "fedavg"
+    tunable = {"local.lr": step_size()}
 
     @property
     def personal_part(self) -> str:

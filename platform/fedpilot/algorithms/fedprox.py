@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Tunable, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -37,6 +37,7 @@ class FedProx(Algorithm):
 
     name = "fedprox"
     Params = FedProxParams
+    tunable = {"local.lr": step_size(), "params.mu": Tunable(1e-3, 1.0)}  # FedProx's own grid: 1e-3..1
 
     @property
     def personal_part(self) -> str:

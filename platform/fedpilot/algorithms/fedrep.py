@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Tunable, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -39,6 +39,8 @@ class FedRep(Algorithm):
 
     name = "fedrep"
     Params = FedRepParams
+    tunable = {"params.lr_head": step_size("local.lr"), "params.lr_body": step_size("local.lr"),
+               "params.head_epochs": Tunable(1.0, 20.0, budget=True)}
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -28,6 +28,7 @@ class FedSim(Algorithm):
 
     name = "fedsim"
     Params = FedSimParams
+    tunable = {"params.lr_u": step_size("local.lr"), "params.lr_v": step_size("local.lr")}
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

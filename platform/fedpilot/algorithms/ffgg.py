@@ -71,9 +71,11 @@ from fedpilot.api import (
     LocalConfig,
     RoundInfo,
     Tensors,
+    Tunable,
     Upload,
     WeightedMean,
     round_generator,
+    step_size,
 )
 
 DELAYS, ATTACK_NOISE, BUCKETS, BYZANTINES = 1, 2, 3, 4  # tags of the seeded generators (never a plan's phase key)
@@ -135,6 +137,8 @@ class Ffgg(Stateless):
 
     name = "ffgg"
     Params = FfggParams
+    tunable = {"params.lr_w": step_size("local.lr"), "server.lr": step_size(),
+               "params.grad_epochs": Tunable(0.1, 2.0, budget=True)}
 
     def local_update(self, cohort: Cohort) -> Upload:
         model = self.client_model(cohort)
@@ -161,6 +165,7 @@ class LocalFfgg(Stateless):
 
     name = "ffgg_local"
     Params = LocalFfggParams
+    tunable = {"params.lr_w": step_size("local.lr"), "params.lr_theta": step_size("local.lr")}
 
     def local_update(self, cohort: Cohort) -> Upload:
         cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau)  # Algorithm 2

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Tunable, Upload, step_size
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -29,6 +29,7 @@ class Finetune(Algorithm):
 
     name = "finetune"
     Params = FinetuneParams
+    tunable = {"local.lr": step_size(), "params.prox": Tunable(choices=(0.0, 1e-3, 1e-2, 1e-1, 1.0))}
     visits_each_client_once = True
 
     @property

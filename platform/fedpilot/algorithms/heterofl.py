@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedpilot.algorithms.resources import Levels, assign
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload, step_size
 
 # (module name, out units, in units, inputs per in unit, outputs are hidden, inputs are hidden, kernel size)
 Layer = tuple[str, int, int, int, bool, bool, tuple[int, ...]]
@@ -147,6 +147,7 @@ class HeteroFL(Algorithm):
 
     name = "heterofl"
     Params = HeteroFLParams
+    tunable = {"local.lr": step_size()}
 
     @property
     def personal_part(self) -> Any:

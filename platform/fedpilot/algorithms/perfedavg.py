@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload, step_size
 
 
 class PerFedAvgParams(AlgorithmParams):
@@ -38,6 +38,7 @@ class PerFedAvg(Algorithm):
 
     name = "perfedavg"
     Params = PerFedAvgParams
+    tunable = {"local.lr": step_size(), "params.alpha": step_size()}
 
     @property
     def personal_part(self) -> str:

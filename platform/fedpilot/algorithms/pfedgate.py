@@ -54,7 +54,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpilot.algorithms.resources import Levels, assign, in_graph
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Tunable, Upload, step_size
 
 EXACT_MAX_FREE_BLOCKS = 16  # 2^16 subsets: `auto` solves the knapsack exactly up to here
 
@@ -173,6 +173,8 @@ class PFedGate(Algorithm):
 
     name = "pfedgate"
     Params = PFedGateParams
+    tunable = {"local.lr": step_size(), "params.lr_gate": step_size("local.lr"),
+               "params.s": Tunable(0.1, 1.0, log=False, budget=True)}
 
     @property
     def personal_part(self) -> Any:

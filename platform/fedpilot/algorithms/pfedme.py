@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Tunable, Upload, step_size
 
 
 class PFedMeParams(AlgorithmParams):
@@ -43,6 +43,8 @@ class PFedMe(Algorithm):
 
     name = "pfedme"
     Params = PFedMeParams
+    tunable = {"local.lr": step_size(), "params.lr_personal": step_size("local.lr"),
+               "params.lam": Tunable(1e-2, 100.0)}  # pFedMe: 15 on MNIST; Pillutla et al.: 0.1
     personal_copy = True
 
     @property

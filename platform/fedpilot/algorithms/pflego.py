@@ -42,7 +42,16 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, Cohort, StatefulParams, Tensors, Upload, WeightedMean
+from fedpilot.api import (
+    PERSONAL_AND_SHARED,
+    Algorithm,
+    Cohort,
+    StatefulParams,
+    Tensors,
+    Upload,
+    WeightedMean,
+    step_size,
+)
 
 
 class PflegoParams(StatefulParams):
@@ -68,6 +77,7 @@ class Pflego(Algorithm):
 
     name = "pflego"
     Params = PflegoParams
+    tunable = {"params.rho": step_size(), "params.beta": step_size("local.lr")}
     needs = PERSONAL_AND_SHARED
 
     def aggregator(self) -> WeightedSum:

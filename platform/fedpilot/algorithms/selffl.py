@@ -89,7 +89,17 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpilot.api import Aggregator, Algorithm, AlgorithmParams, Cohort, RoundInfo, Tensors, Upload
+from fedpilot.api import (
+    Aggregator,
+    Algorithm,
+    AlgorithmParams,
+    Cohort,
+    RoundInfo,
+    Tensors,
+    Tunable,
+    Upload,
+    step_size,
+)
 
 VARIANCE_FLOOR = 1e-12
 
@@ -229,6 +239,8 @@ class SelfFL(Algorithm):
 
     name = "selffl"
     Params = SelfFLParams
+    tunable = {"local.lr": step_size(),  # the scale of Eq. 8's eta = lr / N_m
+               "params.l_max": Tunable(1, 40, integer=True, budget=True)}
     personal_copy = True
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):

@@ -5,6 +5,7 @@ batching, chunking, evaluation, logging) is the engine's. Importing this module 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -88,6 +89,58 @@ class StatefulParams(AlgorithmParams):
     stateful: bool = True
 
 
+@dataclass(frozen=True)
+class Tunable:
+    """A hyperparameter an algorithm declares tunable, with its default search range (a search's `space: auto`).
+
+    The range is absolute, `low` to `high`; or relative, `around=f`: [v / f, v * f] around the value v the pipeline
+    gives the key (or, where that is null, the value of the stage key `fallback`: a personal lr that defaults to
+    `local.lr`); or `choices`. `log`: searched on a log scale. `integer`: a whole number. `budget`: it changes what a
+    client spends (its local steps, its model's size), which a matched-budget comparison keeps as written.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    around: float | None = None
+    log: bool = True
+    integer: bool = False
+    choices: tuple[Any, ...] | None = None
+    fallback: str | None = None
+    budget: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [self.low is not None or self.high is not None, self.around is not None, self.choices is not None]
+        if sum(kinds) != 1:
+            raise ValueError("give a range as `low` and `high`, as `around`, or as `choices`: exactly one")
+        if kinds[0] and not (self.low is not None and self.high is not None and self.low < self.high):
+            raise ValueError(f"needs low < high (low={self.low}, high={self.high})")
+        if kinds[0] and self.log and self.low <= 0:
+            raise ValueError(f"a log scale needs low > 0 (low={self.low})")
+        if kinds[1] and not (math.isfinite(self.around) and self.around > 1):
+            raise ValueError(f"`around` is a factor > 1 (around={self.around})")
+        if kinds[2] and not self.choices:
+            raise ValueError("`choices` needs at least one value")
+
+    def dimension(self, value: Any) -> dict[str, Any]:
+        """The search dimension (a search space's `Param` fields) for a stage whose key holds `value` (its
+        fallback's where null): a relative range is centered on it, an absolute one widened to contain it."""
+        if self.choices is not None:
+            return {"type": "categorical", "choices": list(dict.fromkeys([*self.choices, *([value] if value is not
+                                                                                       None else [])]))}
+        low, high = (value / self.around, value * self.around) if self.around else (self.low, self.high)
+        if self.around is None and isinstance(value, int | float) and not isinstance(value, bool):
+            low, high = min(low, value), max(high, value)
+        if self.integer:
+            low, high = max(1, math.floor(low)), max(math.ceil(high), math.floor(low) + 1)
+        return {"type": "int" if self.integer else "float", "low": low, "high": high,
+                "log": self.log and low > 0}
+
+
+def step_size(fallback: str | None = None) -> Tunable:
+    """A step size: a decade either side of the pipeline's value (of `fallback`'s where null), on a log scale."""
+    return Tunable(around=10, fallback=fallback)
+
+
 Part = Literal["personal", "shared"]
 PERSONAL_AND_SHARED: frozenset[Part] = frozenset({"personal", "shared"})
 
@@ -103,6 +156,9 @@ class Algorithm(ABC):
       needs                    what the algorithm needs of its stage's split: "personal" (at least one personal
                                parameter), "shared" (at least one shared parameter); `fedpilot validate` refuses a
                                stage whose split leaves a needed part empty (a property where it depends on Params)
+      tunable                  its hyperparameters worth tuning and their default ranges, by stage key
+                               (`local.lr`, `server.lr`, `params.<name>`): what a search's `space: auto` and
+                               `fedpilot compare --tune` search
     """
 
     name: ClassVar[str]
@@ -110,6 +166,7 @@ class Algorithm(ABC):
     visits_each_client_once: ClassVar[bool] = False
     personal_copy: ClassVar[bool] = False
     needs: ClassVar[frozenset[Part]] = frozenset()
+    tunable: ClassVar[dict[str, Tunable]] = {}
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
         self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})

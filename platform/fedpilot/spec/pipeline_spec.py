@@ -27,7 +27,7 @@ from fedpilot.models.options import PRESETS, validated_options
 from fedpilot.names import check_name
 from fedpilot.schema import Seed, Strict
 from fedpilot.settings import tracking_scheme
-from fedpilot.spec.search_spec import SearchSpec
+from fedpilot.spec.search_spec import Param, SearchSpec
 
 # The types the numbers of a pipeline end up in: the engine computes in float32 (a larger factor, such as an lr or a
 # weight decay, fails inside torch), and torch's counts and sizes, numpy's and SQL's integers are 64-bit.
@@ -211,6 +211,8 @@ class PipelineSpec(Strict):
                 _check_regexes(stage.personalization, f"stages.{i}.personalization")
         if spec.search is not None:
             spec.search.study = spec.search.study or spec.name
+            if spec.search.space == "auto":
+                spec.search.space = auto_space(spec)
             _check_search(spec)
         return spec
 
@@ -267,6 +269,49 @@ def with_values(spec: PipelineSpec, values: dict[str, Any]) -> PipelineSpec:
     return PipelineSpec.from_dict(OmegaConf.to_container(config))
 
 
+def stage_index(spec: PipelineSpec, stage: int | str, key: str) -> int:
+    """The index of a stage named by index (negative from the end) or by name, else a SpecError on `key`."""
+    names = [s.name for s in spec.stages]
+    if isinstance(stage, int) and -len(names) <= stage < len(names):
+        return stage % len(names)
+    if isinstance(stage, str) and stage in names:
+        return names.index(stage)
+    raise SpecError(key, stage, "no such stage", allowed=names)
+
+
+def auto_space(spec: PipelineSpec) -> dict[str, Param]:
+    """What `search.space: auto` stands for: the hyperparameters the algorithms of `search.stages` (default: every
+    stage) declare tunable, each over its declared range around the pipeline's value; budgets only with
+    `search.tune_budget`."""
+    from fedpilot.algorithms import ALGORITHMS
+
+    search, config = spec.search, OmegaConf.create(spec.resolved())
+    chosen = range(len(spec.stages)) if search.stages is None else sorted(
+        {stage_index(spec, stage, f"search.stages.{i}") for i, stage in enumerate(search.stages)})
+    space: dict[str, Param] = {}
+    for i in chosen:
+        stage = spec.stages[i]
+        declared = ALGORITHMS.get_checked(stage.algorithm, f"stages.{i}.algorithm").tunable
+        if not declared:
+            raise SpecError(f"stages.{i}.algorithm", stage.algorithm, "declares nothing tunable (its `tunable`), so "
+                            "`search.space: auto` cannot search this stage: write the space, or leave the stage out "
+                            "of search.stages")
+        for key, tunable in declared.items():
+            if tunable.budget and not search.tune_budget:
+                continue
+            value = OmegaConf.select(config, f"stages.{i}.{key}")
+            if value is None and tunable.fallback:
+                value = OmegaConf.select(config, f"stages.{i}.{tunable.fallback}")
+            if value is None and tunable.around:
+                raise SpecError(f"stages.{i}.{key}", None, f"is null, and {stage.algorithm}'s declared range is "
+                                "around the pipeline's value: give it a value, or write the space")
+            space[f"stages.{i}.{key}"] = Param.model_validate(tunable.dimension(value))
+    if not space:
+        raise SpecError("search.space", "auto", "the searched stages declare only budgets (local steps, model size) "
+                        "as tunable: set search.tune_budget: true, or write the space")
+    return space
+
+
 def _check_search(spec: PipelineSpec) -> None:
     """Every space key names an existing spec key and both ends / every choice give a valid pipeline; objectives
     name existing stages."""
@@ -284,12 +329,8 @@ def _check_search(spec: PipelineSpec) -> None:
                 with_values(spec.model_copy(update={"search": None}), {key: value})
             except SpecError as err:
                 raise SpecError(f"search.space.{key}", value, f"gives an invalid pipeline: {err}") from None
-    names = [s.name for s in spec.stages]
     for i, objective in enumerate(search.objective):
-        stage = objective.stage
-        if (isinstance(stage, int) and not -len(names) <= stage < len(names)) or (
-                isinstance(stage, str) and stage not in names):
-            raise SpecError(f"search.objective.{i}.stage", stage, "no such stage", allowed=names)
+        stage_index(spec, objective.stage, f"search.objective.{i}.stage")
         recorded = recorded_metrics(spec.dataset.task, novel=spec.evaluation.novel_clients is not None)
         if objective.metric not in recorded:
             held_out = "" if spec.evaluation.novel_clients is not None else " (novel_* needs evaluation.novel_clients)"

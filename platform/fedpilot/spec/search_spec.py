@@ -81,10 +81,17 @@ class PrunerSpec(Strict):
 
 
 class SearchSpec(Strict):
-    """A pipeline's `search:` block: the space over spec keys, the objective(s), the budget, sampler and pruner."""
+    """A pipeline's `search:` block: the space over spec keys, the objective(s), the budget, sampler and pruner.
+
+    `space: auto` searches what the algorithms of `stages` (default: every stage) declare tunable, over their
+    declared ranges (a relative range around the pipeline's value); the hyperparameters that change what a client
+    spends (local steps, model size) only with `tune_budget: true`. The pipeline's spec holds the space it expands to.
+    """
 
     study: str | None = None
-    space: dict[str, Param] = Field(min_length=1)
+    space: dict[str, Param] | Literal["auto"]
+    stages: list[int | str] | None = Field(None, min_length=1)  # the stages `space: auto` tunes
+    tune_budget: bool = False
     objective: list[Objective] = Field(min_length=1)
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
@@ -94,11 +101,27 @@ class SearchSpec(Strict):
     @model_validator(mode="before")
     @classmethod
     def _one_objective(cls, value: Any) -> Any:
-        if isinstance(value, dict) and isinstance(value.get("objective"), dict):
-            return {**value, "objective": [value["objective"]]}
-        return value
+        objective = value.get("objective") if isinstance(value, dict) else None
+        if isinstance(objective, str):  # a bare metric name
+            objective = {"metric": objective}
+        return {**value, "objective": [objective]} if isinstance(objective, dict) else value
 
     @field_validator("study")
     @classmethod
     def _named(cls, study: str | None) -> str | None:
         return study if study is None else check_name("search.study", study)
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _some_space(cls, space: Any) -> Any:
+        if not isinstance(space, dict) and space != "auto" or space == {}:
+            raise ValueError("give the keys to search with their ranges, or `auto`")
+        return space
+
+    @model_validator(mode="after")
+    def _auto_options(self) -> SearchSpec:
+        if isinstance(self.space, dict) and (self.stages is not None or self.tune_budget):
+            given = "stages" if self.stages is not None else "tune_budget"
+            raise SpecError(f"search.{given}", getattr(self, given), "applies to `space: auto` only; a written "
+                            "space names its keys")
+        return self

@@ -258,7 +258,8 @@ def test_bad_params_and_a_stage_without_prepare_model_are_refused():
 def test_the_report_draws_the_steps_spread_round_by_round():
     import pandas as pd
 
-    from fedpilot.report import PipelineRun, Stage, cohort_figure
+    from fedpilot.report.figures import cohort_figure
+    from fedpilot.report.runs import PipelineRun, Stage
 
     rounds = pd.RangeIndex(1, 4)
     curves = {f"cohort_steps_{stat}": pd.Series([v + k for k in range(3)], index=rounds, dtype=float)

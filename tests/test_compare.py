@@ -16,7 +16,8 @@ from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
 from fedpilot.compare import format_resolution, format_table, resolution, summarize
-from fedpilot.report import REPORT_ARTIFACT, build, clients_frame
+from fedpilot.report import REPORT_ARTIFACT, build
+from fedpilot.report.runs import clients_frame
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
 
 TWO_STAGES = {**SMALL, "tracking": {"system_metrics": False, "plots": False},

@@ -23,19 +23,10 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.client_effects import participating
-from fedpilot.report import (
-    REPORT_ARTIFACT,
-    PipelineRun,
-    Stage,
-    change_figure,
-    human_bytes,
-    labelled,
-    load_run,
-    primary_metric,
-    short_keys,
-    summary_table,
-    table_figure,
-)
+from fedpilot.report import REPORT_ARTIFACT
+from fedpilot.report.figures import change_figure, human_bytes, table_figure
+from fedpilot.report.pipeline_page import summary_table
+from fedpilot.report.runs import PipelineRun, Stage, labelled, load_run, primary_metric, short_keys
 from fedpilot.tracking import local_artifact, table_order
 from fedpilot.tuning import trial_name
 from pipeline_fixtures import cli, run_id_of, write_pipeline

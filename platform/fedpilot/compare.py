@@ -45,11 +45,12 @@ from fedpilot.metric_names import HEADLINE_STATS, NOVEL, SELECTED, higher_is_bet
 from fedpilot.names import check_name
 from fedpilot.pipeline.checks import prepare
 from fedpilot.pipeline.runner import PipelineRunner
-from fedpilot.report import COMPARE_TAG, clients_frame, log_report
+from fedpilot.report import log_report
+from fedpilot.report.runs import clients_frame
 from fedpilot.schema import Strict
 from fedpilot.settings import check_cache, check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec, load_pipeline, read_user_yaml
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import COMPARE_TAG, Tracker
 
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
 

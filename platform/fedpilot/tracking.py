@@ -37,6 +37,7 @@ from fedpilot.metric_names import NOVEL
 from fedpilot.settings import hidden, sqlite_file, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
+COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipeline) and each of its pipeline runs
 CACHE_SOURCE_TAG = "fedpilot.cache_source"  # a stage reused from the cache: the run that trained it
 ERROR_TAG = "fedpilot.error"  # a FAILED or KILLED run: the error's type and message
 RESUMABLE_TAG = "fedpilot.resumable"  # "false" on a run that failed for good (a stage diverged): --resume refuses it

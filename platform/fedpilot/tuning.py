@@ -33,7 +33,8 @@ from fedpilot.db import Lease, connect, engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.errors import Diverged, SpecError
 from fedpilot.pipeline.runner import PipelineRunner
-from fedpilot.report import log_report, short_keys
+from fedpilot.report import log_report
+from fedpilot.report.runs import short_keys
 from fedpilot.schema import SEED_MAX
 from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values

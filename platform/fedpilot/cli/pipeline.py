@@ -140,7 +140,7 @@ def format_outcomes(stages: list, metric: str) -> str:
     small text table."""
     from fedpilot.metric_names import TABLE_STATS, metric_label
     from fedpilot.overview import aligned
-    from fedpilot.report import beyond_cells, stage_cells
+    from fedpilot.report.pipeline_page import beyond_cells, stage_cells
 
     beyond = [beyond_cells(o.metrics, metric) for o in stages]
     extra = list(dict.fromkeys(k for cells in beyond for k in cells))

@@ -32,7 +32,8 @@ from fedpilot.pipeline.progress import RoundProgress
 from fedpilot.pipeline.round_metrics import RoundMetrics
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
 from fedpilot.pipeline.stage_record import SPLITS, stage_record
-from fedpilot.report import log_report, pipeline_note
+from fedpilot.report import log_report
+from fedpilot.report.pipeline_page import pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
 from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, flatten

@@ -1,0 +1,114 @@
+"""The page of a comparison's run (`fedpilot compare`): its table and, per pipeline, each client's change against the
+baseline over the seeds (fedpilot.client_effects)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from mlflow import MlflowClient
+from plotly.subplots import make_subplots
+
+from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed
+from fedpilot.errors import NoSuchRun
+from fedpilot.metric_names import higher_is_better, metric_label
+from fedpilot.report.figures import COLORS, sized
+from fedpilot.report.page import Section, page
+from fedpilot.report.runs import read_table
+from fedpilot.tracking import COMPARE_TAG, PIPELINE_TAG
+
+
+@dataclass
+class ComparisonRun:
+    run_id: str
+    name: str
+    experiment_id: str
+    record: dict  # its comparison.json: baseline, metric, seeds, federation, scores, runs, summary
+    table: str  # its comparison.txt
+    changes: pd.DataFrame  # its clients_across_seeds.json: client, pipeline, seed, change
+    counts: dict[str, dict[str, int]]  # pipeline -> helped_every_seed / hurt_every_seed / mixed (its metrics)
+
+
+def is_comparison(run) -> bool:
+    """Whether `run` is a comparison's own run (not one of its pipeline runs)."""
+    return COMPARE_TAG in run.data.tags and PIPELINE_TAG not in run.data.tags
+
+
+def load_comparison_run(client: MlflowClient, run) -> ComparisonRun:
+    """A finished comparison's run as its report reads it."""
+    run_id = run.info.run_id
+    paths = {a.path for a in client.list_artifacts(run_id)}
+    if "comparison.json" not in paths:
+        raise NoSuchRun("RUN_ID", run_id, "this comparison has not finished (no comparison.json)")
+    with tempfile.TemporaryDirectory() as tmp:
+        record = json.loads(Path(client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
+        table = Path(client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    metrics = run.data.metrics
+    counts = {p: {k: int(metrics[f"{p}/clients_{k}"]) for k in COUNTS} for p in record["runs"]
+              if f"{p}/clients_{COUNTS[0]}" in metrics}
+    return ComparisonRun(run_id, run.info.run_name, run.info.experiment_id, record, table,
+                         read_table(client, run_id, CHANGES_TABLE), counts)
+
+
+def band_figure(comparison: ComparisonRun) -> go.Figure | None:
+    """Per pipeline, its clients (seen on every seed) sorted by their mean change against the baseline, the line
+    their mean and the band the least and the most over the seeds (Pillutla et al., ICML 2022, Fig. 11)."""
+    pipelines = list(comparison.counts)
+    if not pipelines or comparison.changes.empty:
+        return None
+    bands = every_seed(comparison.changes, len(comparison.record["seeds"]))
+    cols = min(2, len(pipelines))
+    rows = -(-len(pipelines) // cols)
+    titles = [f"{p}: {c['helped_every_seed']} helped on every seed, {c['hurt_every_seed']} hurt on every seed, "
+              f"{c['mixed']} mixed" for p, c in comparison.counts.items()]
+    fig = make_subplots(rows, cols, subplot_titles=titles, shared_yaxes="all", vertical_spacing=0.3 / rows)
+    for i, pipeline in enumerate(pipelines):
+        frame, row, col = bands[bands["pipeline"] == pipeline], i // cols + 1, i % cols + 1
+        rank, color = np.arange(1, len(frame) + 1), COLORS[i % len(COLORS)]
+        text = [f"{c}: mean {m:+.3f}, min {lo:+.3f}, max {hi:+.3f}"
+                for c, m, lo, hi in zip(frame["client"], frame["mean"], frame["min"], frame["max"], strict=True)]
+        fig.add_trace(go.Scatter(x=rank, y=frame["max"], mode="lines", line={"width": 0}, showlegend=False,
+                                 hoverinfo="skip"), row, col)
+        fig.add_trace(go.Scatter(x=rank, y=frame["min"], mode="lines", line={"width": 0}, fill="tonexty",
+                                 fillcolor="rgba(99,110,250,0.25)", name="min-max over seeds", showlegend=i == 0,
+                                 hoverinfo="skip"), row, col)
+        fig.add_trace(go.Scatter(x=rank, y=frame["mean"], mode="lines+markers", line_color=color, text=text,
+                                 marker={"size": 4}, name=pipeline, showlegend=False,
+                                 hovertemplate="%{text}<extra>" + pipeline + "</extra>"), row, col)
+        fig.add_hline(y=0, line={"color": "grey", "width": 1}, row=row, col=col)
+        fig.update_xaxes(title_text="clients sorted by mean change", row=row, col=col)
+    metric = metric_label(comparison.record.get("metric", "acc"))
+    fig.update_yaxes(title_text=f"change in test {metric}", col=1)
+    return sized(fig, 80 + 320 * rows, top=60)
+
+
+def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
+    """Per pipeline, its clients helped on every seed, hurt on every seed, and mixed."""
+    if not comparison.counts:
+        return None
+    return pd.DataFrame([{"pipeline": p, "helped on every seed": c["helped_every_seed"],
+                          "hurt on every seed": c["hurt_every_seed"], "mixed": c["mixed"]}
+                         for p, c in comparison.counts.items()])
+
+
+def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
+    """The HTML page of a comparison: its table, and per pipeline each client's change against the baseline."""
+    record = comparison.record
+    metric, seeds, baseline = metric_label(record.get("metric", "acc")), len(record["seeds"]), record["baseline"]
+    better = "above" if higher_is_better(record.get("metric", "acc")) else "below"
+    sections: list[Section] = [
+        ("Pipelines against " + baseline, f"Each pipeline's last stage over {seeds} seed(s); the paired differences "
+         "are with the baseline on the same seed.", comparison.table),
+        ("Per-client change against " + baseline + " over the seeds", f"Each client (by name) is a point at its "
+         f"mean change in test {metric} over the seeds, sorted; the band spans its least and its most. Helped on "
+         f"every seed: {better} 0 on each; hurt on every seed: the other side on each; mixed: the rest (a tie counts "
+         "as neither). " + record.get("federation", ""), band_figure(comparison)),
+        ("Clients helped and hurt on every seed", "Of the clients seen on every seed.", counts_table(comparison)),
+    ]
+    line = f"{comparison.name}: run {comparison.run_id} (experiment {comparison.experiment_id})"
+    return page(f"fedpilot comparison: {comparison.name}", line, tracking_uri, sections)

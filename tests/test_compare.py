@@ -15,7 +15,8 @@ import yaml
 from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
-from fedpilot.compare import format_resolution, format_table, resolution, summarize
+from fedpilot.compare.stats import resolution, summarize
+from fedpilot.compare.table import format_resolution, format_table
 from fedpilot.report import REPORT_ARTIFACT, build
 from fedpilot.report.runs import clients_frame
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline

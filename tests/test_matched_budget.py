@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpilot.compare import load_comparison
+from fedpilot.compare.plan import load_plan
+from fedpilot.compare.run import prepare_plan
 from fedpilot.engine.cohort import RoundWork
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.spec import PipelineSpec
@@ -34,8 +35,10 @@ def comparisons(cache) -> list[tuple[str, dict[str, PipelineSpec]]]:
     at a server it has stopped since)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{cache}/mlflow.db")
-        loaded = [load_comparison(path, seeds=1, cache_dir=cache) for path in SETS]
-    return [(comparison.baseline, {name: runs[0] for name, runs in specs.items()}) for comparison, specs in loaded]
+        loaded = [load_plan(path, seeds=1) for path in SETS]
+        for plan in loaded:
+            prepare_plan(plan, cache)
+    return [(plan.baseline, {name: runs[0] for name, runs in plan.specs.items()}) for plan in loaded]
 
 
 def test_every_pipeline_shares_the_pretraining_rounds_cohorts_and_fine_tuning(comparisons):

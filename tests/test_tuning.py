@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from fedpilot.errors import SpecError
 from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
-from fedpilot.tuning import PruneOnEvaluation, Search, make_sampler, quiet_optuna
+from fedpilot.tuning import PruneOnEvaluation, Search, make_pruner, make_sampler, quiet_optuna
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
@@ -108,7 +108,7 @@ def test_search_records_trials_under_one_run_and_resumes_by_name(env):
 
 def test_a_trial_below_the_median_is_pruned_and_its_run_killed(env):
     search = {**SEARCH, "space": {"stages.1.local.lr": {"type": "categorical", "choices": [0.2, 1e-6]}},
-              "pruner": {"kind": "median", "startup_trials": 1}}
+              "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0, "margin": 0}}
     spec = PipelineSpec.from_dict({**spec_with(search), "stages": [
         {**SMALL["stages"][0], "rounds": 2},
         {**SMALL["stages"][1], "rounds": 6, "params": {"lr_v": 1e-6}}]})
@@ -278,3 +278,61 @@ def test_the_largest_sampler_seed_still_seeds_a_sampler_for_every_trial(kind):
     spec = PipelineSpec.from_dict(spec_with({**SEARCH, "sampler": {"kind": kind, "seed": SEED_MAX}}))
     for offset in (0, 1, 10**6):
         make_sampler(spec, offset)
+
+
+def _study_with(finished: list[dict[int, float]], direction: str = "maximize") -> optuna.Study:
+    """An in-memory study holding finished trials with these intermediate values (the last one its value)."""
+    from optuna.distributions import FloatDistribution
+
+    study = optuna.create_study(direction=direction)
+    for curve in finished:
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)}, value=curve[max(curve)],
+            intermediate_values=curve))
+    return study
+
+
+def _pruned_at(pruner, study: optuna.Study, curve: dict[int, float]) -> int | None:
+    """The first step at which `pruner` prunes a trial reporting `curve` (None: it runs to the end)."""
+    study.pruner = pruner
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    for step, value in sorted(curve.items()):
+        trial.report(value, step)
+        if trial.should_prune():
+            return step
+    return None
+
+
+def test_the_default_pruner_keeps_a_noisy_near_twin_of_the_best_and_prunes_a_clear_loser():
+    """The case of issue 43: PFLEGO on the shift set, 50 pretraining rounds then 40 tuned ones evaluated every 10.
+    Optuna's median pruner with 2 startup trials and no warm-up prunes a near-twin of the best trial at its first
+    evaluation (0.811 at round 60, where it is noisy); the default (warm-up to half the tuned rounds, a margin of
+    twice the evaluation noise measured on the finished curves) keeps it, and still prunes a configuration clearly
+    worse at every evaluation."""
+    from fedpilot.tuning import MarginPruner, noise_margin
+
+    finished = [{60: 0.830, 70: 0.824, 80: 0.840, 90: 0.844},  # the best trial: rho 0.125, beta 0.269
+                {60: 0.822, 70: 0.834, 80: 0.829, 90: 0.838},
+                {60: 0.828, 70: 0.836, 80: 0.831, 90: 0.842}]
+    twin = {60: 0.811, 70: 0.826, 80: 0.832, 90: 0.843}  # rho 0.126, beta 0.261: noisy at its first evaluation
+    loser = {60: 0.70, 70: 0.72, 80: 0.73, 90: 0.74}
+    assert _pruned_at(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0), _study_with(finished),
+                      twin) == 60  # what happened by hand
+    spec = PipelineSpec.from_dict({**spec_with({**SEARCH, "trials": 6, "pruner": {"kind": "median"}}), "stages": [
+        {**SMALL["stages"][0], "rounds": 50}, {**SMALL["stages"][1], "rounds": 40}]})
+    pruner = make_pruner(spec, 6)
+    assert isinstance(pruner, MarginPruner) and (pruner.startup, pruner.warmup, pruner.margin) == (2, 70, None)
+    margin = noise_margin(_study_with(finished).get_trials())
+    assert 0.003 < margin < 0.03
+    assert _pruned_at(pruner, _study_with(finished), twin) is None
+    assert _pruned_at(pruner, _study_with(finished), loser) == 70
+    assert _pruned_at(pruner, _study_with(finished[:1]), loser) is None  # one finished trial: below the startup
+    assert _pruned_at(make_pruner(spec, 20), _study_with(finished), loser) is None  # 20 trials: 7 startup ones
+
+
+def test_the_margin_needs_curves_to_measure_noise_on():
+    from fedpilot.tuning import noise_margin
+
+    assert noise_margin(_study_with([{10: 0.5, 20: 0.6}]).get_trials()) is None  # no second difference yet
+    flat = noise_margin(_study_with([{s: 0.5 for s in (10, 20, 30, 40)}] * 3).get_trials())
+    assert flat == 0.0

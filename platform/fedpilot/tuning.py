@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import time
-import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
-from sqlalchemy import insert, select, update
-from sqlalchemy.exc import IntegrityError
 
-from fedpilot.db import Lease, connect, engine_options
+from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
 from fedpilot.errors import Diverged, SpecError
+from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.report import log_report
 from fedpilot.report.runs import short_keys
@@ -40,9 +37,7 @@ from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
 from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
 
-LEASE_SECONDS = 30
 STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-_leases = Lease.__table__
 
 
 def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
@@ -66,13 +61,60 @@ def make_sampler(spec: PipelineSpec, offset: int = 0) -> optuna.samplers.BaseSam
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)
 
 
-def make_pruner(spec: PipelineSpec) -> optuna.pruners.BasePruner:
+def make_pruner(spec: PipelineSpec, trials: int) -> optuna.pruners.BasePruner:
+    """The search's pruner for a study of `trials` trials, its `auto` settings resolved (search_spec.PrunerSpec)."""
     pruner = spec.search.pruner
     if pruner.kind == "none" or len(spec.search.objective) > 1:
         return optuna.pruners.NopPruner()
+    before, searched = searched_rounds(spec)
+    warmup = before + math.ceil(searched / 2) if pruner.warmup_rounds == "auto" else pruner.warmup_rounds
     if pruner.kind == "hyperband":
-        return optuna.pruners.HyperbandPruner()
-    return optuna.pruners.MedianPruner(n_startup_trials=pruner.startup_trials, n_warmup_steps=pruner.warmup_rounds)
+        return optuna.pruners.HyperbandPruner(min_resource=max(1, warmup), max_resource=before + searched)
+    startup = max(2, math.ceil(trials / 3)) if pruner.startup_trials == "auto" else pruner.startup_trials
+    return MarginPruner(startup, warmup, None if pruner.margin == "auto" else pruner.margin)
+
+
+def searched_rounds(spec: PipelineSpec) -> tuple[int, int]:
+    """(the rounds of the stages before the first one the space touches, the rounds from it to the end)."""
+    stages = [key.split(".")[1] for key in spec.search.space if key.startswith("stages.")]
+    touched = [int(i) for i in stages if i.isdigit()]
+    first = min(touched) if len(touched) == len(spec.search.space) else 0
+    rounds = [stage.rounds for stage in spec.stages]
+    return sum(rounds[:first]), sum(rounds[first:])
+
+
+class MarginPruner(optuna.pruners.BasePruner):
+    """Optuna's median rule with a margin for the noise: at an evaluation past `warmup` rounds, once `startup`
+    trials have finished, a trial is pruned when its value is worse than the median of the finished trials' values
+    at the same round by more than `margin`. `margin=None`: twice the noise of one evaluation (noise_margin), and no
+    pruning before the finished trials' curves can tell it."""
+
+    def __init__(self, startup: int, warmup: int, margin: float | None):
+        self.startup, self.warmup, self.margin = startup, warmup, margin
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if step is None or step < self.warmup or len(finished) < self.startup:
+            return False
+        others = [t.intermediate_values[step] for t in finished if step in t.intermediate_values]
+        margin = self.margin if self.margin is not None else noise_margin(finished)
+        if not others or margin is None:
+            return False
+        gap = float(np.median(others)) - trial.intermediate_values[step]
+        return (gap if study.direction == optuna.study.StudyDirection.MAXIMIZE else -gap) > margin
+
+
+def noise_margin(trials: list[optuna.trial.FrozenTrial], least: int = 3) -> float | None:
+    """Twice the noise sd of one evaluation, from the finished trials' curves: the second differences of a curve's
+    successive values take out its trend, and for independent noise of sd s their sd is s * sqrt(6) (a robust
+    estimate: 1.4826 x their median absolute value). None with fewer than `least` second differences."""
+    seconds = [np.diff([t.intermediate_values[k] for k in sorted(t.intermediate_values)], n=2) for t in trials]
+    pooled = np.concatenate([d for d in seconds if len(d)] or [np.empty(0)])
+    pooled = pooled[np.isfinite(pooled)]
+    if len(pooled) < least:
+        return None
+    return 2 * 1.4826 * float(np.median(np.abs(pooled))) / math.sqrt(6)
 
 
 class PruneOnEvaluation(RoundCallback):
@@ -94,50 +136,19 @@ class PruneOnEvaluation(RoundCallback):
             raise optuna.TrialPruned(f"pruned at round {self.offset + result.round}: {self.metric}={value:.4f}")
 
 
-class StudyLease:
-    """A row per study in the storage database: who may create the next trial, and the study's MLflow run."""
+@dataclass(frozen=True)
+class StudyScope:
+    """Where a search runs beyond its own pipeline (a comparison's tuning): its MLflow run nested under `parent`;
+    each trial trained on every one of `seeds` (default: the spec's), its objective their mean, pruned on the first;
+    trial 0 the values `first` (the pipeline as written); the study's user attributes `attrs`; `wait` off: a process
+    leaves the trials others are running to them and returns; `report` off: no report.html of the best trials."""
 
-    def __init__(self, url: str, study: str):
-        self.engine = connect(url)
-        self.study, self.owner = study, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        try:
-            with self.engine.begin() as db:
-                db.execute(insert(_leases).values(study=study))
-        except IntegrityError:
-            pass
-
-    def acquire(self, poll: float = 0.2) -> None:
-        """Wait until this process holds the lease (taken over from a holder that died after LEASE_SECONDS)."""
-        while True:
-            now = datetime.now(timezone.utc)
-            with self.engine.begin() as db:
-                took = db.execute(update(_leases).where(
-                    _leases.c.study == self.study,
-                    (_leases.c.owner.is_(None)) | (_leases.c.until < now) | (_leases.c.owner == self.owner),
-                ).values(owner=self.owner, until=now + timedelta(seconds=LEASE_SECONDS))).rowcount
-            if took:
-                return
-            time.sleep(poll)
-
-    def release(self) -> None:
-        with self.engine.begin() as db:
-            db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.owner == self.owner)
-                       .values(owner=None, until=None))
-
-    def mlflow_run(self, create: Callable[[], str], discard: Callable[[str], None]) -> str:
-        """The study's MLflow search run: the one recorded here, else a new one (first writer wins)."""
-        with self.engine.begin() as db:
-            known = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()
-        if known:
-            return known
-        mine = create()
-        with self.engine.begin() as db:
-            db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.mlflow_run_id.is_(None))
-                       .values(mlflow_run_id=mine))
-            winner = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()
-        if winner != mine:
-            discard(mine)
-        return winner
+    parent: str | None = None
+    seeds: tuple[int, ...] = ()
+    first: dict[str, Any] | None = None
+    attrs: dict[str, str] = field(default_factory=dict)
+    wait: bool = True
+    report: bool = True
 
 
 @dataclass
@@ -156,13 +167,13 @@ class Search:
 
     def __init__(self, spec: PipelineSpec, storage_url: str, trials: int | None = None, study: str | None = None,
                  cache_dir: Path | None = None, heartbeat_seconds: int = 10,
-                 echo: Callable[[str], None] = print):
+                 echo: Callable[[str], None] = print, scope: StudyScope = StudyScope()):
         if spec.search is None:
             raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
         if spec.devices > 1 or spec.nodes > 1:
             raise SpecError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes), "a search trains its trials in this process: set devices: 1 "
                             "(start more workers for trials in parallel)")
-        self.spec, self.search, self.cache_dir, self.echo = spec, spec.search, cache_dir, echo
+        self.spec, self.search, self.cache_dir, self.echo, self.scope = spec, spec.search, cache_dir, echo, scope
         self.trials = trials or self.search.trials
         self.study_name = study or self.search.study
         check_database("--storage", storage_url)
@@ -172,11 +183,14 @@ class Search:
                                  engine_kwargs=engine_options(storage_url),
                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=make_sampler(spec),
-                                             pruner=make_pruner(spec), directions=directions, load_if_exists=True)
-            self.lease = StudyLease(storage_url, self.study_name)
+                                             pruner=make_pruner(spec, self.trials), directions=directions, load_if_exists=True)
+            self.lease = NamedLease(storage_url, self.study_name)
         if [d.name.lower() for d in self.study.directions] != directions:
             raise SpecError("search.objective", directions, f"study {self.study_name!r} exists with directions "
                             f"{[d.name.lower() for d in self.study.directions]}; use another --study name")
+        self.study.set_metric_names([o.metric for o in self.search.objective])  # Optuna's dashboard shows them
+        for key, value in scope.attrs.items():
+            self.study.set_user_attr(key, value)
         self.tracker = Tracker(tracking_uri(spec.tracking.uri), spec.tracking.experiment or spec.name)
         self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
         self.rounds_trained = 0
@@ -201,6 +215,8 @@ class Search:
             self.lease.acquire()
             fail_stale_trials(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
             self._close_dead_trials()
+            if self.scope.first is not None and not self.study.get_trials(deepcopy=False):
+                self.study.enqueue_trial(self.scope.first)  # trial 0: what the pipeline gives, under the lease
             trials = self.study.get_trials(deepcopy=False, states=STARTED)
             waiting = any(t.state == TrialState.WAITING for t in trials)
             if waiting or len(trials) < self.trials:
@@ -215,26 +231,22 @@ class Search:
                 self._log_best()
                 continue
             self.lease.release()
-            if not any(t.state == TrialState.RUNNING for t in trials):
+            if not self.scope.wait or not any(t.state == TrialState.RUNNING for t in trials):
                 break
             time.sleep(1.0)  # other processes' trials are running; one may still fail and need a retry
         self.lease.release()
         self._log_best(plots=True)
-        self._log_report()
+        if self.scope.report:
+            self._log_report()
         return self._result()
 
     def _objective(self, trial: optuna.Trial) -> float | list[float]:
         self.lease.release()
         values = {key: suggest(trial, key, param) for key, param in self.search.space.items()}
-        spec = with_values(self.spec, values)
-        runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
-                                extra_callbacks=self._pruning_callbacks(trial))
+        seeds = self.scope.seeds or (self.spec.seed,)
         start = time.perf_counter()
         try:
-            result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
-                                                           "fedpilot.study": self.study_name},
-                                started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id),
-                                name=trial_name(self.spec.name, trial.number, values))
+            objectives = np.mean([self._trained(trial, values, seed, first=i == 0) for i, seed in enumerate(seeds)], 0)
         except optuna.TrialPruned:
             self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
             raise
@@ -243,13 +255,26 @@ class Search:
             self.echo(f"trial {trial.number}: {_short(values)} -> diverged ({time.perf_counter() - start:.1f} s): "
                       f"{err}")
             raise optuna.TrialPruned(str(err)) from None
-        finally:
-            self.rounds_trained += runner.rounds_trained
-        objectives = [self._value(result, o) for o in self.search.objective]
         self.echo(f"trial {trial.number}: {_short(values)} -> "
                   + ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True))
-                  + f" ({time.perf_counter() - start:.1f} s)")
-        return objectives[0] if len(objectives) == 1 else objectives
+                  + f" ({time.perf_counter() - start:.1f} s)" + (f" over seeds {list(seeds)}" if len(seeds) > 1 else ""))
+        return float(objectives[0]) if len(objectives) == 1 else [float(v) for v in objectives]
+
+    def _trained(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> list[float]:
+        """The objectives of the trial's pipeline trained on `seed` (pruned on the first seed's evaluations)."""
+        spec = with_values(self.spec, {**values, "seed": seed})
+        runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
+                                extra_callbacks=self._pruning_callbacks(trial) if first else None)
+        name = trial_name(self.spec.name, trial.number, values) + ("" if first and not self.scope.seeds else
+                                                                   f" seed {seed}")
+        started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
+        try:
+            result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
+                                                           "fedpilot.study": self.study_name,
+                                                           "fedpilot.seed": str(seed)}, started=started, name=name)
+        finally:
+            self.rounds_trained += runner.rounds_trained
+        return [self._value(result, o) for o in self.search.objective]
 
     def _close_dead_trials(self) -> None:
         """The MLflow runs of trials whose process died (failed as stale) are KILLED instead of RUNNING for ever."""
@@ -274,8 +299,9 @@ class Search:
     # ---- MLflow --------------------------------------------------------------------------------------------
     def _create_search_run(self) -> str:
         client = self.tracker.client
+        nested = {MLFLOW_PARENT_RUN_ID: self.scope.parent} if self.scope.parent else {}
         run = client.create_run(self.tracker.experiment_id, run_name=f"search-{self.study_name}",
-                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name})
+                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name, **nested})
         space = {f"space.{k}": json.dumps(v.model_dump(exclude_none=True)) for k, v in self.search.space.items()}
         objective = {f"objective.{i}": f"{o.direction} {o.metric} of stage {o.stage}"
                      for i, o in enumerate(self.search.objective)}
@@ -310,7 +336,8 @@ class Search:
         figures: dict[str, Callable[[], Any]] = {}
         if len(names) == 1:
             figures["optimization_history"] = lambda: ov.plot_optimization_history(self.study, target_name=names[0])
-            figures["intermediate_values"] = lambda: ov.plot_intermediate_values(self.study)
+            if any(t.intermediate_values for t in self.study.get_trials(deepcopy=False)):
+                figures["intermediate_values"] = lambda: ov.plot_intermediate_values(self.study)
             if len(self.search.space) > 1 and len(self.study.get_trials(states=(TrialState.COMPLETE,))) > 2:
                 figures["param_importances"] = lambda: ov.plot_param_importances(self.study)
         else:

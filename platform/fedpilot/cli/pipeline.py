@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -257,31 +257,88 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
 
 
 def compare(
-    set_file: Annotated[Path, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml.")],
+    set_file: Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml "
+                                                         "(not needed with --resume).")] = None,
     overrides: Overrides = None,
     seeds: Annotated[int | None, typer.Option(help="Run seeds 0..N-1 instead of the set's seeds.")] = None,
+    tune: Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials "
+                                                  "each (the set's `tune:` block, with trials N).")] = None,
+    untuned: Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
+                                                            "comparison's seeds (default vs tuned).")] = False,
+    resume: Annotated[str | None, typer.Option(help="Go on with a stopped or killed comparison (its MLflow run id); "
+                                                    "running the same command again does the same.")] = None,
+    storage: Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
+                                                     "$FEDPILOT_DB or sqlite:///fedpilot.db).")] = None,
     cache_dir: CacheDir = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
+    heartbeat_seconds: Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process "
+                                                        "silent for 3 heartbeats has its work taken over.")] = 10,
+    result_file: ResultFile = None,
 ) -> None:
-    """Run a named set of pipelines over N seeds; print and record (MLflow) the table of per-client test accuracy
+    """Run a named set of pipelines over N seeds (with --tune N, each at its best first, chosen on the validation
+    split of seeds the comparison does not use); print and record (MLflow) the table of per-client test accuracy
     (mean, p10; mean and sd over seeds; paired differences with the baseline), each client's change against the
-    baseline on each seed and the clients helped / hurt on every seed, and a report (report.html); ends with
-    run_id."""
-    from fedpilot.compare import load_comparison, run_comparison
+    baseline on each seed and the clients helped / hurt on every seed, what each study chose, and a report
+    (report.html); ends with run_id. Stopped or killed, the same command (or --resume RUN_ID) goes on from what is
+    done."""
+    from fedpilot.settings import SQL_INT_MAX, check_output, platform_db
+
+    try:
+        check_output("--result-file", result_file)
+        within("--heartbeat-seconds", heartbeat_seconds, 1, PERIOD_MAX_S)
+        within("--tune", tune, 1, SQL_INT_MAX)
+        storage_url, _ = platform_db(storage, "--storage")
+        plan, root = _comparison_plan(set_file, overrides or [], seeds, tune, untuned, resume, cache_dir)
+    except SpecError as err:
+        write_result(result_file, status="failed", error=str(err))
+        fail(err)
+    from fedpilot.compare.run import comparison_run, run_comparison
     from fedpilot.pipeline.progress import quiet_lightning
+    from fedpilot.pipeline.signals import Stopped
+    from fedpilot.tuning import quiet_optuna
 
     quiet_lightning()
+    quiet_optuna()
+    tracker, run_id = comparison_run(plan, resume)
+    write_result(result_file, run_id=run_id)
+    tuned = f", each tuned over {plan.comparison.tune.trials} trials" if plan.tuning else ""
+    typer.echo(f"comparison {plan.comparison.name}: {len(plan.specs)} pipelines x seeds {plan.seeds}{tuned}; "
+               f"run {run_id}")
     try:
-        comparison, specs = load_comparison(set_file, seeds, overrides or [], cache_dir)
-    except SpecError as err:
-        fail(err)
-    typer.echo(f"comparison {comparison.name}: {len(specs)} pipelines x seeds {comparison.seed_list()}")
-    try:
-        result = run_comparison(comparison, specs, cache_dir, progress, typer.echo)
-    except SpecError as err:  # the tracking store refused its first request
-        fail(err)
-    except StageFailed as err:
+        with reporting(result_file):
+            result = run_comparison(plan, storage_url, root, progress, typer.echo, run_id, heartbeat_seconds)
+    except Stopped as stop:
+        typer.echo(f"\nstopped; continue with: {program()} compare --resume {run_id}", err=True)
+        raise typer.Exit(stop.code) from None
+    except (SpecError, StageFailed) as err:  # the tracking store refused a request; a stage could not go on
         fail(err)
     typer.echo("\n" + result.table)
     typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, report=True))
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _comparison_plan(set_file: Path | None, overrides: list[str], seeds: int | None, tune: int | None,
+                     untuned: bool, resume: str | None, cache_dir: Path | None) -> tuple[Any, Path]:
+    """The comparison's plan, from the set file or the run --resume names, every input checked (datasets built
+    into the cache) before anything is recorded; and the cache root."""
+    from fedpilot.settings import check_cache, check_tracking
+
+    root = check_cache(cache_dir)
+    uri = check_tracking(reach=True)  # the comparison's own run
+    if resume is not None:
+        if set_file is not None or overrides or seeds is not None or tune is not None or untuned:
+            raise SpecError("--resume", resume, "a resumed comparison uses its recorded plan; give no set file, "
+                            "overrides, --seeds, --tune or --untuned")
+        from mlflow import MlflowClient
+
+        from fedpilot.compare.work import recorded_plan
+
+        return recorded_plan(MlflowClient(uri), resume), root
+    if set_file is None:
+        raise SpecError("set", None, "give a comparison set file (or --resume RUN_ID)")
+    from fedpilot.compare.plan import load_plan
+    from fedpilot.compare.run import prepare_plan
+
+    plan = load_plan(set_file, seeds, overrides, tune, untuned)
+    prepare_plan(plan, root)
+    return plan, root

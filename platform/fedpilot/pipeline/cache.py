@@ -39,6 +39,9 @@ class StageCache:
         path = self.dir / f"{key}.pt"
         return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
 
+    def has(self, key: str) -> bool:
+        return (self.dir / f"{key}.pt").is_file()
+
     def save(self, key: str, payload: dict[str, Any]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")

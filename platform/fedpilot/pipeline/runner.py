@@ -122,6 +122,15 @@ class PipelineRunner:
             raise
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
+    def cached(self) -> bool:
+        """Whether the stage cache holds every stage of the pipeline (a run would train nothing)."""
+        key = ""
+        for i in range(len(self.spec.stages)):
+            _, _, key = self._stage(i, key, None)
+            if not self.cache.has(key):
+                return False
+        return True
+
     def follow(self, resume: str | None = None) -> None:
         """What a DDP process other than rank 0 runs (Lightning starts them at the first stage trained with
         `devices` > 1, re-running the same command): the same stages in the same order, training each with rank 0

@@ -33,12 +33,18 @@ def _ask(signum: int, frame: Any) -> None:
           "once)", file=sys.stderr, flush=True)
 
 
+def stop_asked() -> int | None:
+    """The signal that asked to stop, if one did (a loop of several runs checks it between them)."""
+    return _STOP.get("signal")
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """While the block runs, SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 ask the training stage to stop after its current
-    round (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread nothing is installed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    round (CheckpointOnStop); a second Ctrl+C stops at once. Outside the main thread, or inside another such block,
+    nothing is installed (a stop asked between two runs of the outer block stops the next at its first round)."""
+    if threading.current_thread() is not threading.main_thread() or _LISTENING.is_set():
+        yield  # another thread's, or inside an outer block (a comparison's runs): the outer handlers stay
         return
     _STOP.clear()
     previous = {s: signal.signal(s, _ask) for s in STOP_SIGNALS}

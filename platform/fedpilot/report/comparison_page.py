@@ -15,6 +15,8 @@ from mlflow import MlflowClient
 from plotly.subplots import make_subplots
 
 from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed
+from fedpilot.compare.stats import StudySummary, paired
+from fedpilot.compare.table import frame, pipelines_rows, tuning_rows
 from fedpilot.errors import NoSuchRun
 from fedpilot.metric_names import higher_is_better, metric_label
 from fedpilot.report.figures import COLORS, sized
@@ -96,14 +98,91 @@ def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
                          for p, c in comparison.counts.items()])
 
 
+def pipelines_frame(comparison: ComparisonRun) -> pd.DataFrame:
+    """The comparison's table of pipelines against the baseline, as the command printed it (compare.table)."""
+    record = comparison.record
+    rows = pipelines_rows(record["summary"], record["baseline"], len(record["seeds"]), record.get("metric", "acc"),
+                          record.get("untuned"))
+    return frame(rows)
+
+
+def forest_figure(comparison: ComparisonRun) -> go.Figure | None:
+    """Per pipeline, its paired difference in mean test metric with the baseline: the mean over seeds (a marker)
+    and the least and the most (the bar), beside the band of differences the set does not resolve."""
+    record = comparison.record
+    metric, baseline = record.get("metric", "acc"), record["baseline"]
+    scores = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["scores"].items()}
+    score = f"test_{metric}_mean"
+    rows = [(p, paired(scores, p, baseline, score)) for p in scores if p != baseline and scores[p]]
+    rows = [(p, d) for p, d in rows if len(d)]
+    if not rows:
+        return None
+    names = [p for p, _ in rows][::-1]  # the first pipeline at the top
+    means = [float(d.mean()) for _, d in rows][::-1]
+    lows, highs = [float(d.min()) for _, d in rows][::-1], [float(d.max()) for _, d in rows][::-1]
+    fig = go.Figure(go.Scatter(
+        x=means, y=names, mode="markers", marker={"size": 9, "color": COLORS[0]}, name="mean over seeds",
+        error_x={"type": "data", "symmetric": False, "array": np.subtract(highs, means),
+                 "arrayminus": np.subtract(means, lows)},
+        hovertemplate="%{y}: %{x:+.4f}<extra></extra>"))
+    band = record.get("resolution", {}).get("smallest")
+    if band is not None and np.isfinite(band):
+        fig.add_vrect(x0=-band, x1=band, fillcolor="grey", opacity=0.15, line_width=0,
+                      annotation_text=f"not resolved (±{band:.4f})", annotation_position="top left")
+    fig.add_vline(x=0, line={"color": "grey", "width": 1})
+    fig.update_layout(xaxis_title=f"{score} minus {baseline}'s, same seed", showlegend=False)
+    return sized(fig, 120 + 28 * len(names))
+
+
+def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
+    """Per pipeline's study, the best objective after each finished trial (dashed where it still improved in the
+    last quarter of the trials: the budget may have been short)."""
+    tuning = comparison.record.get("tuning") or {}
+    if not tuning:
+        return None
+    fig = go.Figure()
+    for i, (name, study) in enumerate(tuning.items()):
+        late = " (still improving)" if study["improving_late"] else ""
+        fig.add_trace(go.Scatter(x=list(range(1, len(study["best_so_far"]) + 1)), y=study["best_so_far"],
+                                 mode="lines+markers", name=name + late, line_color=COLORS[i % len(COLORS)],
+                                 line_dash="dash" if late else "solid",
+                                 hovertemplate=f"{name} after trial %{{x}}: %{{y:.4f}}<extra></extra>"))
+    fig.update_layout(xaxis_title="finished trials", yaxis_title=f"best {comparison.record.get('objective')}")
+    return sized(fig, 420)
+
+
+def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
+    """Per pipeline's study: trials and pruned, best objective, its spread over trials, the chosen values."""
+    record = comparison.record
+    tuning = record.get("tuning") or {}
+    if not tuning:
+        return None
+    studies = {name: StudySummary(**study) for name, study in tuning.items()}
+    return frame(tuning_rows(studies, record.get("objective") or "objective"))
+
+
 def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
-    """The HTML page of a comparison: its table, and per pipeline each client's change against the baseline."""
+    """The HTML page of a comparison: its table and forest plot, what each study chose, and per pipeline each
+    client's change against the baseline."""
     record = comparison.record
     metric, seeds, baseline = metric_label(record.get("metric", "acc")), len(record["seeds"]), record["baseline"]
     better = "above" if higher_is_better(record.get("metric", "acc")) else "below"
+    tuned = bool(record.get("tuning"))
+    notes = [part for part in comparison.table.split("\n\n") if part.startswith(("resolution:", "diverged"))]
     sections: list[Section] = [
-        ("Pipelines against " + baseline, f"Each pipeline's last stage over {seeds} seed(s); the paired differences "
-         "are with the baseline on the same seed.", comparison.table),
+        ("Pipelines against " + baseline, f"Each {'tuned ' if tuned else ''}pipeline's last stage over {seeds} "
+         f"seed(s): mean ± sd over seeds; the paired differences are with the baseline on the same seed. "
+         + " ".join(notes).replace("\n", " "), pipelines_frame(comparison)),
+        ("Paired difference with " + baseline, "Each pipeline's mean test " + metric + " minus the baseline's on the "
+         "same seed: the marker is the mean over seeds, the bar spans the least and the most; the grey band is what "
+         "the set does not resolve.", forest_figure(comparison)),
+        ("Tuning: the best value against the trials", f"Each pipeline's study on the validation split of seed(s) "
+         f"{record.get('tuning_seeds')}: its best {record.get('objective')} after each finished trial, trial 0 the "
+         "pipeline as written. A dashed line still rose in the last quarter of its trials: more trials may help.",
+         best_so_far_figure(comparison)),
+        ("Tuning: what each study chose", "Trials (of which pruned), the chosen configuration's objective, the "
+         "objective's 10th / 50th / 90th percentile over the completed trials (how much the method's result depends "
+         "on its settings), and the chosen values.", tuning_frame(comparison)),
         ("Per-client change against " + baseline + " over the seeds", f"Each client (by name) is a point at its "
          f"mean change in test {metric} over the seeds, sorted; the band spans its least and its most. Helped on "
          f"every seed: {better} 0 on each; hurt on every seed: the other side on each; mixed: the rest (a tie counts "

@@ -30,6 +30,7 @@ from fedpilot.spec.pipeline_spec import (
     check_numbers,
     pipeline_seed,
     with_values,
+    written_values,
 )
 from fedpilot.spec.search_spec import Objective, Param, PrunerSpec, SamplerSpec, SearchSpec
 
@@ -38,4 +39,5 @@ __all__ = [
     "ModelSpec", "Objective", "Param", "PersonalizationSpec", "PipelineSpec", "PrunerSpec", "SamplerSpec",
     "SearchSpec", "StageSpec", "TrackingSpec", "check_numbers", "check_overrides", "compose_pipeline",
     "config_groups", "configs_dir", "load_pipeline", "pipeline_seed", "read_user_yaml", "with_values",
+    "written_values",
 ]

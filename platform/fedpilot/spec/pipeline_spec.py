@@ -212,7 +212,7 @@ class PipelineSpec(Strict):
         if spec.search is not None:
             spec.search.study = spec.search.study or spec.name
             if spec.search.space == "auto":
-                spec.search.space = auto_space(spec)
+                spec.search.space, spec.search.auto = auto_space(spec), True
             _check_search(spec)
         return spec
 
@@ -310,6 +310,26 @@ def auto_space(spec: PipelineSpec) -> dict[str, Param]:
         raise SpecError("search.space", "auto", "the searched stages declare only budgets (local steps, model size) "
                         "as tunable: set search.tune_budget: true, or write the space")
     return space
+
+
+def written_values(spec: PipelineSpec) -> dict[str, Any]:
+    """The value the pipeline gives each key of its search space (a null one: the value its algorithm's declared
+    fallback gives, as the stage uses it), where it lies in the space: what trial 0 of a comparison's study runs."""
+    from fedpilot.algorithms import ALGORITHMS
+
+    config, values = OmegaConf.create(spec.resolved()), {}
+    for key, param in spec.search.space.items():
+        value = OmegaConf.select(config, key)
+        parts = key.split(".")
+        if value is None and parts[0] == "stages" and len(parts) == 4 and parts[1].isdigit():
+            declared = ALGORITHMS[spec.stages[int(parts[1])].algorithm].tunable.get(".".join(parts[2:]))
+            if declared is not None and declared.fallback:
+                value = OmegaConf.select(config, f"stages.{parts[1]}.{declared.fallback}")
+        inside = value in param.choices if param.type == "categorical" else (
+            isinstance(value, int | float) and not isinstance(value, bool) and param.low <= value <= param.high)
+        if inside:
+            values[key] = value
+    return values
 
 
 def _check_search(spec: PipelineSpec) -> None:

@@ -73,11 +73,24 @@ class SamplerSpec(Strict):
 
 
 class PrunerSpec(Strict):
-    """Pruning from the engine's intermediate evaluations (single-objective searches only)."""
+    """Pruning from the engine's intermediate evaluations (single-objective searches only), with defaults a noisy
+    early evaluation cannot fool: `auto` startup trials are a third of the study's (at least 2), `auto` warm-up
+    rounds reach half of the searched stages' rounds, and an `auto` margin is twice the noise of an evaluation,
+    estimated from the finished trials' curves (no pruning until it can be). `median` prunes a trial whose value is
+    worse than the other finished trials' median at the same round by more than the margin; `hyperband` is Optuna's
+    (its smallest budget the warm-up)."""
 
     kind: Literal["median", "hyperband", "none"] = "median"
-    startup_trials: int = Field(2, ge=0)
-    warmup_rounds: int = Field(0, ge=0)
+    startup_trials: int | Literal["auto"] = "auto"
+    warmup_rounds: int | Literal["auto"] = "auto"
+    margin: float | Literal["auto"] = "auto"
+
+    @field_validator("startup_trials", "warmup_rounds", "margin")
+    @classmethod
+    def _not_negative(cls, value: int | float | str) -> int | float | str:
+        if value != "auto" and value < 0:
+            raise ValueError("must be >= 0, or `auto`")
+        return value
 
 
 class SearchSpec(Strict):
@@ -92,6 +105,7 @@ class SearchSpec(Strict):
     space: dict[str, Param] | Literal["auto"]
     stages: list[int | str] | None = Field(None, min_length=1)  # the stages `space: auto` tunes
     tune_budget: bool = False
+    auto: bool = False  # set where `space: auto` was expanded (the spec holds the space it stands for)
     objective: list[Objective] = Field(min_length=1)
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
@@ -120,7 +134,7 @@ class SearchSpec(Strict):
 
     @model_validator(mode="after")
     def _auto_options(self) -> SearchSpec:
-        if isinstance(self.space, dict) and (self.stages is not None or self.tune_budget):
+        if isinstance(self.space, dict) and not self.auto and (self.stages is not None or self.tune_budget):
             given = "stages" if self.stages is not None else "tune_budget"
             raise SpecError(f"search.{given}", getattr(self, given), "applies to `space: auto` only; a written "
                             "space names its keys")

@@ -1,0 +1,70 @@
+"""A comparison from its plan to its table: its MLflow run found (the same plan's unfinished one: a rerun continues
+it), given (--resume) or made; the work done in this process beside any other; the table assembled once."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from fedpilot.compare.plan import Plan
+from fedpilot.compare.record import ComparisonResult, assemble
+from fedpilot.compare.work import POLL_SECONDS, Work, find_run, start_run
+from fedpilot.leases import NamedLease
+from fedpilot.pipeline.checks import prepare
+from fedpilot.settings import check_tracking, tracking_uri
+from fedpilot.tracking import Tracker
+
+
+def prepare_plan(plan: Plan, cache_dir: Path) -> None:
+    """Every check `fedpilot run` makes, of every (pipeline, seed) and every tuning seed (datasets built into the
+    cache), before anything is recorded."""
+    for by_seed in plan.specs.values():
+        for spec in by_seed.values():
+            check_tracking(spec.tracking.uri)
+            prepare(spec, cache_dir)
+    for spec in plan.tuning.values():
+        for seed in plan.comparison.tuning_seeds():
+            prepare(spec.model_copy(update={"seed": seed}), cache_dir)
+
+
+def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str]:
+    """The tracker of the comparison's experiment and its run: `run_id`, else the plan's unfinished one, else new."""
+    tracker = Tracker(tracking_uri(), plan.comparison.name)
+    return tracker, run_id or find_run(tracker, plan) or start_run(tracker, plan)
+
+
+def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, progress: bool = False,
+                   echo: Callable[[str], None] = print, run_id: str | None = None,
+                   heartbeat_seconds: int = 10) -> ComparisonResult:
+    """Do the comparison's work in this process until every unit is done, then its table (assembled by the first
+    process to get there; the others read it). The run is RUNNING meanwhile; a stop or failure here marks it KILLED
+    or FAILED, and running the same command (or --resume) goes on from what is done."""
+    tracker, run_id = comparison_run(plan, run_id)
+    tracker.client.update_run(run_id, status="RUNNING")
+    try:
+        work = Work(plan, run_id, tracker, storage_url, cache_dir, progress, echo, heartbeat_seconds)
+        work.run()
+        lease = NamedLease(work.database, f"compare:{run_id}:assemble", 3 * heartbeat_seconds)
+        lease.acquire(POLL_SECONDS)
+        with lease.kept():
+            if tracker.client.get_run(run_id).info.status == "FINISHED":
+                return finished_result(tracker, run_id)
+            return assemble(plan, run_id, tracker, work)
+    except BaseException as err:
+        if tracker.client.get_run(run_id).info.status != "FINISHED":
+            tracker.fail([run_id], err)
+        raise
+
+
+def finished_result(tracker: Tracker, run_id: str) -> ComparisonResult:
+    """The outcome another process assembled, read back from the comparison's run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        record = json.loads(Path(tracker.client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
+        table = Path(tracker.client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    scores = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["scores"].items()}
+    runs = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["runs"].items()}
+    return ComparisonResult(run_id, table, scores, runs, record["counts"], tracker.uri, tracker.experiment_id)
+
+

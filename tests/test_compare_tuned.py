@@ -1,0 +1,211 @@
+"""`fedpilot compare --tune N` (issue 43): every pipeline, baseline included, gets one Optuna study of exactly N
+finished trials on the validation split of tuning seeds the comparison never judges on, trial 0 the pipeline as
+written; then each best configuration runs on the comparison's seeds. The test split is never read while tuning; a
+killed comparison run again finishes every run once; bad input is refused before anything exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from fedpilot.compare.work import COMPARE_RUN_TAG, VARIANT_TAG
+from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {**SMALL, "dataset": {"partition": {"kind": "dirichlet", "alpha": 0.5, "clients": 12}},
+        "tracking": {"system_metrics": False, "plots": False},
+        "stages": [{**SMALL["stages"][0], "rounds": 2, "clients_per_round": 4},
+                   {"name": "more", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 4,
+                    "local": {"steps": 2, "batch_size": 10, "lr": 0.05}}]}
+OTHER = {**BASE, "name": "other", "stages": [BASE["stages"][0], {**BASE["stages"][1], "algorithm": "fedalt"}]}
+
+
+def write_set(folder: Path, **tune) -> str:
+    write_pipeline(folder, {**BASE, "name": "base"}, "base.yaml")
+    write_pipeline(folder, OTHER, "other.yaml")
+    comparison = {"name": "pair", "seeds": 2, "pipelines": ["base.yaml", "other.yaml"],
+                  "tune": {"trials": 3, "sampler": {"kind": "random", "seed": 0}, **tune}}
+    (folder / "pair.yaml").write_text(yaml.safe_dump(comparison))
+    return str(folder / "pair.yaml")
+
+
+def recorded(client: MlflowClient, run_id: str, folder: Path) -> dict:
+    return json.loads(Path(client.download_artifacts(run_id, "comparison.json", str(folder))).read_text())
+
+
+def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(workdir):
+    storage = f"sqlite:///{workdir}/studies.db"
+    code, output = cli("compare", write_set(workdir), "--untuned", "--storage", storage)
+    assert code == 0, output
+    client, run_id = MlflowClient(), run_id_of(output)
+    record = recorded(client, run_id, workdir)
+    assert record["tuning_seeds"] == [2] and record["seeds"] == [0, 1] and record["objective"] == "val_acc_mean"
+    experiment = client.get_run(run_id).info.experiment_id
+    for pipeline, keys in (("base", {"stages.1.local.lr"}), ("other", {"stages.1.params.lr_u", "stages.1.params.lr_v"})):
+        study = optuna.load_study(study_name=record["tuning"][pipeline]["study"], storage=storage)
+        trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
+        assert len(trials) == 3 and set(trials[0].params) == keys  # exactly N finished: an equal budget
+        assert trials[0].params == {k: 0.05 for k in keys}  # trial 0: the pipeline as written
+        assert study.metric_names == ["val_acc_mean"] and study.user_attrs["mlflow_comparison_run"] == run_id
+        search = client.search_runs([experiment], f"tags.`fedpilot.search` = '{study.study_name}'")[0]
+        assert search.data.tags["mlflow.parentRunId"] == run_id
+        trial_seeds = {r.data.tags["fedpilot.seed"] for r in client.search_runs(
+            [experiment], f"tags.mlflow.parentRunId = '{search.info.run_id}'")}
+        assert trial_seeds == {"2"}  # the tuning seed only
+        chosen = {k.removeprefix(f"tuned.{pipeline}."): float(v) for k, v in client.get_run(run_id).data.tags.items()
+                  if k.startswith(f"tuned.{pipeline}.")}
+        assert chosen == pytest.approx(study.best_params)
+    finals = client.search_runs([experiment], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'")
+    assert sorted((r.data.tags["fedpilot.pipeline"], r.data.tags[VARIANT_TAG], r.data.tags["fedpilot.seed"])
+                  for r in finals) == sorted((p, v, s) for p in ("base", "other") for v in ("tuned", "written")
+                                             for s in ("0", "1"))  # judged on seeds 0 and 1 only
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["other/tune_trials"] == 3 and metrics["base/tune_best"] == pytest.approx(
+        max(record["tuning"]["base"]["values"]))
+    history = [m.value for m in client.get_metric_history(run_id, "base/tune_best_so_far")]
+    assert len(history) == 3 and history == sorted(history)
+    written = [record_of(client, experiment, run_id, "other", "written", seed) for seed in (0, 1)]
+    assert metrics["other.untuned.test_acc_mean.mean"] == pytest.approx(np.mean(written))
+    assert "untuned test_acc_mean" in output and "tuning: one study per pipeline" in output
+    page = Path(client.download_artifacts(run_id, "report.html", str(workdir))).read_text()
+    for title in ("Paired difference with base", "Tuning: the best value against the trials",
+                  "Tuning: what each study chose"):
+        assert title in page
+    assert "<pre>" not in page.split("Paired difference")[0]  # the table is an HTML table
+
+
+def record_of(client: MlflowClient, experiment: str, run_id: str, pipeline: str, variant: str, seed: int) -> float:
+    """The final test mean of one of the comparison's runs."""
+    run = client.search_runs([experiment], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}' and tags.`{VARIANT_TAG}` = "
+                             f"'{variant}' and tags.`fedpilot.pipeline` = '{pipeline}' and tags.`fedpilot.seed` = "
+                             f"'{seed}'")[0]
+    return run.data.metrics["final_test_acc_mean"]
+
+
+def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tuning(workdir, monkeypatch):
+    """Tuned twice into two stores: the second time every test metric of every trial is replaced by random numbers;
+    the studies choose the same values, so tuning never read the test split."""
+    import fedpilot.pipeline.runner as runner_module
+    import fedpilot.tuning as tuning
+
+    set_file = write_set(workdir)
+    code, output = cli("compare", set_file, "--storage", f"sqlite:///{workdir}/first.db")
+    assert code == 0, output
+    first = {k: v for k, v in MlflowClient().get_run(run_id_of(output)).data.tags.items() if k.startswith("tuned.")}
+    assert first
+    real, trained, tuning_now = runner_module.stage_record, tuning.Search._trained, []
+    noise = np.random.default_rng(0)
+
+    def garbled(*args, **kwargs):
+        report = real(*args, **kwargs)
+        if tuning_now:
+            report.metrics.update({k: float(noise.random()) for k in report.metrics if k.startswith("test_")})
+        return report
+
+    def trained_while_marked(self, *args, **kwargs):
+        tuning_now.append(True)
+        try:
+            return trained(self, *args, **kwargs)
+        finally:
+            tuning_now.pop()
+
+    monkeypatch.setattr(runner_module, "stage_record", garbled)
+    monkeypatch.setattr(tuning.Search, "_trained", trained_while_marked)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir}/second.db")
+    monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "second-cache"))
+    code, output = cli("compare", set_file, "--storage", f"sqlite:///{workdir}/second.db.studies")
+    assert code == 0, output
+    second = {k: v for k, v in MlflowClient(f"sqlite:///{workdir}/second.db").get_run(run_id_of(output)).data.tags
+              .items() if k.startswith("tuned.")}
+    assert second == first
+
+
+@pytest.mark.slow
+def test_a_killed_comparison_run_again_finishes_every_run_once(workdir):
+    """kill -9 once a final run has finished; the same command again goes on from there (its study, its finished
+    runs): every (pipeline, seed) ends with one finished run, the killed one's run KILLED, each study N trials."""
+    set_file, storage = write_set(workdir), f"sqlite:///{workdir}/studies.db"
+    command = [sys.executable, "-m", "fedpilot.cli", "compare", set_file, "--storage", storage,
+               "--heartbeat-seconds", "1"]
+    proc = subprocess.Popen(command, cwd=workdir, env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    client = MlflowClient()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not finished_units(client):
+            time.sleep(0.2)
+        assert proc.poll() is None, "the comparison ended before it could be killed"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_after = len(finished_units(client))
+    code, output = cli("compare", set_file, "--storage", storage, "--heartbeat-seconds", "1")
+    assert code == 0, output
+    run_id = run_id_of(output)
+    runs = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'")
+    finished = [(r.data.tags["fedpilot.pipeline"], r.data.tags["fedpilot.seed"]) for r in runs
+                if r.info.status == "FINISHED" and r.data.tags[VARIANT_TAG] == "tuned"]
+    assert sorted(finished) == [(p, s) for p in ("base", "other") for s in ("0", "1")], finished
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs) and killed_after >= 1
+    for study in recorded(client, run_id, workdir)["tuning"].values():
+        assert study["trials"] == 3
+
+
+def finished_units(client: MlflowClient) -> list:
+    experiment = client.get_experiment_by_name("pair")
+    if experiment is None:
+        return []
+    return [r for r in client.search_runs([experiment.experiment_id], f"tags.`{COMPARE_RUN_TAG}` != ''")
+            if r.info.status == "FINISHED"]
+
+
+@pytest.mark.parametrize(("args", "tune", "message"), [
+    (["--tune", "0"], {}, "--tune=0: must be from 1"),
+    ([], {"objective": "test_acc_mean"}, "tune.objective='test_acc_mean': tuning reads the validation split only"),
+    ([], {"seeds": [1, 7]}, "tune.seeds=[1, 7]: overlap the comparison's seeds ([1])"),
+    ([], {"trials": 0}, "tune.trials=0"),
+    (["--untuned", "--seeds", "2"], {"trials": 2, "untuned": True, "pruner": {"kind": "fast"}}, "tune.pruner.kind"),
+])
+def test_bad_tuning_exits_2_and_creates_nothing(workdir, args, tune, message):
+    set_file = write_set(workdir, **tune)
+    before = sorted(p.name for p in workdir.iterdir())
+    code, output = cli("compare", set_file, *args, "--storage", f"sqlite:///{workdir}/studies.db")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], output
+    assert "Traceback" not in output and sorted(p.name for p in workdir.iterdir()) == before
+
+
+def test_a_pipeline_whose_algorithm_declares_nothing_tunable_is_refused(workdir, monkeypatch):
+    from fedpilot.algorithms import ALGORITHMS
+
+    monkeypatch.setattr(ALGORITHMS["fedalt"], "tunable", {})
+    set_file = write_set(workdir)
+    before = sorted(p.name for p in workdir.iterdir())
+    code, output = cli("compare", set_file, "--storage", f"sqlite:///{workdir}/studies.db")
+    assert code == 2 and "pipelines.1 (other.yaml): stages.1.algorithm='fedalt': declares nothing tunable" in output
+    assert sorted(p.name for p in workdir.iterdir()) == before
+
+
+def test_the_shipped_sets_tune_every_pipeline_after_their_shared_pretraining():
+    """Every pipeline of the benchmark sets gets a study over what its algorithms declare, in the stages after the
+    FedAvg pretraining they all share; the tuning seed is not a comparison seed."""
+    from fedpilot.compare.plan import load_plan
+
+    for name in ("shift", "shakespeare", "shift-pfedgate", "digits-k2"):
+        plan = load_plan(ROOT / "pipelines" / "compare" / f"{name}.yaml", tune=8)
+        assert plan.shared == 1, name
+        assert not set(plan.comparison.tuning_seeds()) & set(plan.seeds), name
+        for pipeline, spec in plan.tuning.items():
+            stages = {int(key.split(".")[1]) for key in spec.search.space}
+            assert stages and min(stages) >= 1 and spec.search.trials == 8, (name, pipeline)

@@ -131,7 +131,7 @@ def forest_figure(comparison: ComparisonRun) -> go.Figure | None:
                       annotation_text=f"not resolved (±{band:.4f})", annotation_position="top left")
     fig.add_vline(x=0, line={"color": "grey", "width": 1})
     fig.update_layout(xaxis_title=f"{score} minus {baseline}'s, same seed", showlegend=False)
-    return sized(fig, 120 + 28 * len(names))
+    return sized(fig, 170 + 30 * len(names))
 
 
 def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
@@ -148,6 +148,7 @@ def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
                                  line_dash="dash" if late else "solid",
                                  hovertemplate=f"{name} after trial %{{x}}: %{{y:.4f}}<extra></extra>"))
     fig.update_layout(xaxis_title="finished trials", yaxis_title=f"best {comparison.record.get('objective')}")
+    fig.update_xaxes(dtick=1 if max(len(s["best_so_far"]) for s in tuning.values()) <= 20 else None)
     return sized(fig, 420)
 
 

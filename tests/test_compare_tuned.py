@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -209,3 +210,51 @@ def test_the_shipped_sets_tune_every_pipeline_after_their_shared_pretraining():
         for pipeline, spec in plan.tuning.items():
             stages = {int(key.split(".")[1]) for key in spec.search.space}
             assert stages and min(stages) >= 1 and spec.search.trials == 8, (name, pipeline)
+
+
+@pytest.mark.slow
+def test_two_queue_workers_record_the_same_table_as_one_process(workdir, monkeypatch):
+    """`--to queue --parallel 2` makes the comparison's run and two jobs; two workers share its studies and runs,
+    the last records the table, and it is the table one process records (seeded, no pruning: which trial finishes
+    first would decide what is pruned)."""
+    pinned = [{**stage, "execution": "vmap"} for stage in BASE["stages"]]
+    write_pipeline(workdir, {**BASE, "name": "base", "stages": pinned}, "base.yaml")
+    write_pipeline(workdir, {**OTHER, "stages": [pinned[0], {**pinned[1], "algorithm": "fedalt"}]}, "other.yaml")
+    comparison = {"name": "pair", "seeds": 2, "pipelines": ["base.yaml", "other.yaml"],
+                  "tune": {"trials": 3, "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}}}
+    (workdir / "pair.yaml").write_text(yaml.safe_dump(comparison))
+    code, output = cli("compare", str(workdir / "pair.yaml"), "--storage", f"sqlite:///{workdir}/one.db")
+    assert code == 0, output
+    alone = output.split("\n\n", 1)[1].split("\nbrowse:")[0]
+    queue = workdir / "queue"
+    queue.mkdir()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{queue}/mlflow.db", "FEDPILOT_CACHE": str(queue / "cache"),
+           "FEDPILOT_DB": f"sqlite:///{queue}/fedpilot.db"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, output = cli("compare", str(workdir / "pair.yaml"), "--to", "queue", "--parallel", "2")
+    assert code == 0, output
+    assert len(output.strip().splitlines()[-1].split()) == 2  # the two job ids
+    workers = [subprocess.Popen([sys.executable, "-m", "fedpilot.cli", "worker", "--exit-when-idle",
+                                 "--poll-seconds", "0.2", "--heartbeat-seconds", "1"], cwd=queue, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for worker in workers:
+        assert worker.wait(timeout=600) == 0, worker.stderr.read()
+    run_id = re.search(r"run ([0-9a-f]{32})", output).group(1)
+    code, output = cli("compare", "--resume", run_id)
+    assert code == 0, output
+    assert output.split("\n\n", 1)[1].split("\nbrowse:")[0] == alone
+    from fedpilot.db import connect
+    from fedpilot.jobs.queue import list_jobs
+
+    jobs = list_jobs(connect(env["FEDPILOT_DB"]))
+    assert [(j["kind"], j["status"], j["run_id"]) for j in jobs] == [("compare", "succeeded", run_id)] * 2
+
+
+def test_compare_to_slurm_without_slurm_exits_2_and_creates_nothing(workdir, monkeypatch):
+    monkeypatch.setenv("PATH", str(workdir / "no-slurm-here"))
+    set_file = write_set(workdir)
+    before = sorted(p.name for p in workdir.iterdir())
+    code, output = cli("compare", set_file, "--to", "slurm", "--storage", f"sqlite:///{workdir}/studies.db")
+    assert code == 2 and "error: --to='slurm': Slurm's `sbatch` is not on PATH" in output, output
+    assert sorted(p.name for p in workdir.iterdir()) == before

@@ -117,6 +117,24 @@ def test_a_search_over_a_two_task_job_array_finishes_exactly_the_trials(slurm, w
     assert rows[ids[0]]["run_id"] == rows[ids[1]]["run_id"]  # one search run for the study, both workers in it
 
 
+def test_a_tuned_comparison_over_a_two_task_job_array_records_its_table(slurm, workdir):
+    """`fedpilot compare --tune 2 --to slurm --parallel 2`: the array's two tasks share the studies and the runs;
+    the comparison's run ends FINISHED with each study at exactly 2 trials."""
+    db = f"sqlite:///{workdir}/platform.db"
+    for name, algorithm in (("base", "fedavg"), ("other", "fedalt")):
+        write_pipeline(workdir, {**TINY, "name": name, "stages": [
+            TINY["stages"][0], {**TINY["stages"][0], "name": "more", "algorithm": algorithm, "rounds": 2}]},
+            f"{name}.yaml")
+    (workdir / "pair.yaml").write_text(json.dumps({"name": "pair", "seeds": 1, "pipelines": ["base.yaml", "other.yaml"],
+                                                   "tune": {"trials": 2, "pruner": {"kind": "none"}}}))
+    ids = sent("compare", str(workdir / "pair.yaml"), "--to", "slurm", "--parallel", "2", "--storage", db)
+    rows = ended(db, ids, timeout=400)
+    assert [rows[i]["status"] for i in ids] == ["succeeded"] * 2, [log_of(db, i) for i in ids]
+    run = MlflowClient().get_run(rows[ids[0]]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["other/tune_trials"] == 2
+    assert {rows[i]["slurm_job_id"].split("_")[1] for i in ids} == {"0", "1"}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
     return final_metrics_of_a_clean_run(tmp_path_factory.mktemp("uninterrupted"), LONG)

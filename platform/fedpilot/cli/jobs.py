@@ -68,11 +68,13 @@ def send(fields: dict, to: Backend, flags: dict, parallel: int, db: str | None, 
     `parallel` > 1, with the Slurm options `flags`), in the platform database `option` (its value `db`) names; the
     job ids (Slurm's ids are told on stderr)."""
     from fedpilot.jobs.backend import configured
+    from fedpilot.jobs.queue import PARALLEL_KINDS
     from fedpilot.settings import platform_db
 
     url, _ = platform_db(db, option)
-    if parallel > 1 and fields["kind"] != "search":
-        raise SpecError("--parallel", parallel, "only a search runs in parallel (trial workers of one study)")
+    if parallel > 1 and fields["kind"] not in PARALLEL_KINDS:
+        raise SpecError("--parallel", parallel, "only a search or a comparison runs in parallel (workers of one "
+                        "study or comparison)")
     target = configured(to, json.loads(fields["spec"]), flags)
     sent = target.submit(_database(db, option), url, fields, parallel)
     for job_id, own_id in sent:

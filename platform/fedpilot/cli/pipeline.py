@@ -274,6 +274,11 @@ def compare(
     heartbeat_seconds: Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process "
                                                         "silent for 3 heartbeats has its work taken over.")] = 10,
     result_file: ResultFile = None,
+    to: Annotated[str | None, typer.Option("--to", help="Do the work elsewhere instead of in this process: `queue` "
+                                                        "(fedpilot workers) or `slurm` (a job array).")] = None,
+    parallel: Annotated[int, typer.Option(help="Jobs that share the comparison's work (1 to 1000; with --to).")] = 1,
+    partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
+    account: Account = None, qos: Qos = None,
 ) -> None:
     """Run a named set of pipelines over N seeds (with --tune N, each at its best first, chosen on the validation
     split of seeds the comparison does not use); print and record (MLflow) the table of per-client test accuracy
@@ -287,11 +292,17 @@ def compare(
         check_output("--result-file", result_file)
         within("--heartbeat-seconds", heartbeat_seconds, 1, PERIOD_MAX_S)
         within("--tune", tune, 1, SQL_INT_MAX)
+        within("--parallel", parallel, 1, PARALLEL_MAX)
         storage_url, _ = platform_db(storage, "--storage")
+        target = _elsewhere(to, parallel)
         plan, root = _comparison_plan(set_file, overrides or [], seeds, tune, untuned, resume, cache_dir)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
+    if target is not None:
+        _send_comparison(plan, resume, target, parallel, storage, slurm_flags(partition, gpus, cpus, mem, time,
+                                                                              account, qos))
+        return
     from fedpilot.compare.run import comparison_run, run_comparison
     from fedpilot.pipeline.progress import quiet_lightning
     from fedpilot.pipeline.signals import Stopped
@@ -315,6 +326,49 @@ def compare(
     typer.echo("\n" + result.table)
     typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, report=True))
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _elsewhere(to: str | None, parallel: int) -> Any:
+    """The backend `--to` names (None: this process), checked before anything is loaded: Slurm's commands are on
+    this machine, `--parallel` comes with a `--to`."""
+    if to is None:
+        if parallel > 1:
+            raise SpecError("--parallel", parallel, "starts workers elsewhere: add --to queue (jobs for fedpilot "
+                            "workers) or --to slurm (a job array)")
+        return None
+    from fedpilot.jobs.backend import SLURM, backend
+    from fedpilot.jobs.slurm import need_slurm
+
+    target = backend(to)
+    if target.name == SLURM:
+        need_slurm()
+    return target
+
+
+def _send_comparison(plan: Any, resume: str | None, target: Any, parallel: int, storage: str | None,
+                     flags: dict) -> None:
+    """The comparison's run (made here, or the one --resume names), then `parallel` jobs that do its work with each
+    other; their job ids printed. A backend that refuses the jobs leaves no run behind."""
+    import json
+
+    from fedpilot.cli.jobs import send
+    from fedpilot.compare.run import comparison_run
+
+    first = next(iter(plan.specs.values()))[plan.seeds[0]]
+    spec = {"name": plan.comparison.name, "device": first.device, "tracking": {"uri": first.tracking.uri},
+            **({"slurm": first.slurm.model_dump(exclude_none=True)} if first.slurm else {})}
+    tracker, run_id = comparison_run(plan, resume)
+    fields = {"kind": "compare", "pipeline": plan.comparison.name, "spec": json.dumps(spec), "run_id": run_id}
+    try:
+        ids = send(fields, target, flags, parallel, storage, "--storage")
+    except SpecError as err:
+        if resume is None:
+            tracker.client.delete_run(run_id)
+        fail(err)
+    typer.echo(f"comparison {plan.comparison.name}: run {run_id}, {len(ids)} job(s) on {target.name} share its work; "
+               f"the last to finish records the table ({program()} compare --resume {run_id} shows it, or does what "
+               "is left)", err=True)
+    typer.echo(" ".join(map(str, ids)))
 
 
 def _comparison_plan(set_file: Path | None, overrides: list[str], seeds: int | None, tune: int | None,

@@ -42,6 +42,8 @@ def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, 
     process to get there; the others read it). The run is RUNNING meanwhile; a stop or failure here marks it KILLED
     or FAILED, and running the same command (or --resume) goes on from what is done."""
     tracker, run_id = comparison_run(plan, run_id)
+    if tracker.client.get_run(run_id).info.status == "FINISHED":  # --resume of a comparison that is done
+        return finished_result(tracker, run_id)
     tracker.client.update_run(run_id, status="RUNNING")
     try:
         work = Work(plan, run_id, tracker, storage_url, cache_dir, progress, echo, heartbeat_seconds)

@@ -41,6 +41,7 @@ from fedpilot.registry import plugin_distributions
 from fedpilot.settings import DEFAULT_TRACKING_URI, tracking_uri
 
 MAX_ATTEMPTS = 3
+PARALLEL_KINDS = ("search", "compare")  # jobs whose copies share one piece of work (a study, a comparison)
 TAIL_CHARS = 4000
 RUN_ID_POLL_SECONDS = 0.25  # until a job's MLflow run is recorded; then the heartbeat's period
 PR_SET_PDEATHSIG = 1
@@ -195,7 +196,8 @@ def recover(database: Engine, grace_seconds: float) -> None:
     lost = "the worker running it stopped sending heartbeats"
     with session_factory(database).begin() as session:
         jobs = session.scalars(select(Job).where(stale).with_for_update()).all()
-        orphans = [(job.tracking_uri, job.run_id) for job in jobs if job.run_id]
+        # a comparison's units are claimed through leases, which expire on their own: its run stays open
+        orphans = [(job.tracking_uri, job.run_id) for job in jobs if job.run_id and job.kind != "compare"]
         for job in jobs:
             session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts)
                             .values(status=LOST, finished_at=utcnow(), error=lost))
@@ -255,14 +257,18 @@ def idle(database: Engine, grace_seconds: float) -> bool:
 
 def child_command(job: Job, spec_file: Path, result_file: Path | None = None, db_url: str = "",
                   heartbeat_seconds: float = 10.0) -> list[str]:
-    """The `fedpilot run` or `fedpilot search` command line that executes a job (trials beat like the worker). A run
-    an earlier attempt started is resumed in its own MLflow runs, from its last checkpoint. Without `result_file`
+    """The `fedpilot run`, `search` or `compare` command line that executes a job (trials and claimed runs beat like
+    the worker). A run an earlier attempt started is resumed in its own MLflow runs, from its last checkpoint; a
+    comparison goes on from what is done. Without `result_file`
     (a follower rank of a multi-node Slurm job) the child leaves no result file."""
     base = [sys.executable, "-m", "fedpilot.cli"]
     report = ["--result-file", str(result_file)] if result_file is not None else []
+    beat = ["--heartbeat-seconds", str(max(1, round(heartbeat_seconds)))]
     if job.kind == "search":
         return [*base, "search", str(spec_file), "--trials", str(job.trials), "--storage", db_url,
-                "--study", str(job.study), "--heartbeat-seconds", str(max(1, round(heartbeat_seconds))), *report]
+                "--study", str(job.study), *beat, *report]
+    if job.kind == "compare":  # the comparison's run holds its plan; every copy works on it with the others
+        return [*base, "compare", "--resume", str(job.run_id), "--storage", db_url, *beat, *report]
     target = ["--resume", job.run_id] if job.run_id else [str(spec_file)]
     return [*base, "run", *target, "--no-progress", *report]
 

@@ -46,7 +46,15 @@ from fedpilot.db import (
     utcnow,
 )
 from fedpilot.errors import CancelFailed, SpecError, SubmitRefused
-from fedpilot.jobs.queue import TAIL_CHARS, child_command, close_runs, execute, request_cancel, submit
+from fedpilot.jobs.queue import (
+    PARALLEL_KINDS,
+    TAIL_CHARS,
+    child_command,
+    close_runs,
+    execute,
+    request_cancel,
+    submit,
+)
 from fedpilot.jobs.slurm_options import SlurmSpec, slurm_minutes
 from fedpilot.settings import cache_root, sqlite_file
 
@@ -129,11 +137,12 @@ def enqueue(database: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmS
     SubmitRefused says why)."""
     if parallel < 1:
         raise SpecError("--parallel", parallel, "must be at least 1")
-    if parallel > 1 and fields["kind"] != "search":
-        raise SpecError("--parallel", parallel, "only a search runs in parallel (trial workers of one study)")
+    if parallel > 1 and fields["kind"] not in PARALLEL_KINDS:
+        raise SpecError("--parallel", parallel, "only a search or a comparison runs in parallel (workers of one study "
+                        "or comparison)")
     spec = json.loads(fields["spec"])
     params = parameters(spec, slurm, f"fedpilot-{fields['pipeline']}")
-    _need_slurm()
+    need_slurm()
     ids = [submit(database, {**fields, "backend": SLURM, "slurm": record(slurm, parallel)}) for _ in range(parallel)]
     try:
         slurm_ids = dispatch(database, db_url, ids, params)
@@ -179,7 +188,7 @@ def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
     stored = json.loads(rows[0].slurm or "{}")
     stored.pop("parallel", None)
     try:
-        _need_slurm()
+        need_slurm()
         params = parameters(json.loads(rows[0].spec), SlurmSpec.model_validate(stored), f"fedpilot-{rows[0].pipeline}")
         dispatch(database, db_url, ids, params)
     except SpecError as err:
@@ -188,7 +197,8 @@ def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
                 status=FAILED, finished_at=utcnow(), error=str(err)))
 
 
-def _need_slurm() -> None:
+def need_slurm() -> None:
+    """A SubmitRefused unless Slurm's client commands are on this machine's PATH."""
     for command in ("sbatch", "squeue", "scancel"):
         if shutil.which(command) is None:
             raise SubmitRefused("--to", SLURM, f"Slurm's `{command}` is not on PATH: submit from a machine of the "

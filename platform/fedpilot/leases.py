@@ -27,11 +27,11 @@ class NamedLease:
     comparison's unit of work: who runs it), until when, and the MLflow run recorded under the name."""
 
     def __init__(self, database: Engine | str, name: str, seconds: float = LEASE_SECONDS):
-        self.engine = connect(database) if isinstance(database, str) else database
+        self.database = connect(database) if isinstance(database, str) else database
         self.seconds = seconds  # how long the lease outlives its holder's last renewal
         self.study, self.owner = name, f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         try:
-            with self.engine.begin() as db:
+            with self.database.begin() as db:
                 db.execute(insert(_leases).values(study=name))
         except IntegrityError:
             pass
@@ -44,7 +44,7 @@ class NamedLease:
     def try_acquire(self) -> bool:
         """Take the lease if it is free, expired or already this process's (its time renewed); whether it did."""
         now = datetime.now(timezone.utc)
-        with self.engine.begin() as db:
+        with self.database.begin() as db:
             return bool(db.execute(update(_leases).where(
                 _leases.c.study == self.study,
                 (_leases.c.owner.is_(None)) | (_leases.c.until < now) | (_leases.c.owner == self.owner),
@@ -70,19 +70,19 @@ class NamedLease:
             self.release()
 
     def release(self) -> None:
-        with self.engine.begin() as db:
+        with self.database.begin() as db:
             db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.owner == self.owner)
                        .values(owner=None, until=None))
 
     def mlflow_run(self, create: Callable[[], str], discard: Callable[[str], None]) -> str:
         """The MLflow run recorded under the name (a study's search run): the one recorded here, else a new one made
         by `create` (first writer wins; a loser's run is `discard`ed)."""
-        with self.engine.begin() as db:
+        with self.database.begin() as db:
             known = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()
         if known:
             return known
         mine = create()
-        with self.engine.begin() as db:
+        with self.database.begin() as db:
             db.execute(update(_leases).where(_leases.c.study == self.study, _leases.c.mlflow_run_id.is_(None))
                        .values(mlflow_run_id=mine))
             winner = db.execute(select(_leases.c.mlflow_run_id).where(_leases.c.study == self.study)).scalar()

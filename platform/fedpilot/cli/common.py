@@ -45,7 +45,7 @@ Time = Annotated[str | None, typer.Option(help="Time limit, MINUTES or [D-]HH:MM
                                           rich_help_panel=SLURM_PANEL)]
 Account = Annotated[str | None, typer.Option(help="Account charged.", rich_help_panel=SLURM_PANEL)]
 Qos = Annotated[str | None, typer.Option(help="Quality of service.", rich_help_panel=SLURM_PANEL)]
-Parallel = Annotated[int, typer.Option(help="Search trial workers started at once on one study (a Slurm job array "
+Parallel = Annotated[int, typer.Option(help="Workers started at once on one study or comparison (a Slurm job array "
                                              "with --to slurm, else that many queued jobs; 1 to 1000).")]
 # Bounds of numeric options: past them a value is a typo, or fails inside the library it reaches.
 PARALLEL_MAX = 1000  # a job array's tasks: Slurm's default MaxArraySize (1001) bounds them

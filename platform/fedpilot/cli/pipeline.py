@@ -22,6 +22,7 @@ from fedpilot.cli.common import (
     Qos,
     ResultFile,
     Time,
+    To,
     checked,
     fail,
     program,
@@ -256,27 +257,26 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     typer.echo(" ".join(map(str, ids)))
 
 
+SetFile = Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml (not "
+                                                   "needed with --resume).")]
+Tune = Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials each "
+                                               "(the set's `tune:` block, with trials N).")]
+Untuned = Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
+                                                         "comparison's seeds (default vs tuned).")]
+ResumeComparison = Annotated[str | None, typer.Option("--resume", help="Go on with a stopped or killed comparison (its "
+                                                                       "MLflow run id); the same command does too.")]
+Storage = Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
+                                                  "$FEDPILOT_DB or sqlite:///fedpilot.db).")]
+Heartbeat = Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process silent for "
+                                             "3 heartbeats has its work taken over.")]
+
+
 def compare(
-    set_file: Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml "
-                                                         "(not needed with --resume).")] = None,
-    overrides: Overrides = None,
+    set_file: SetFile = None, overrides: Overrides = None,
     seeds: Annotated[int | None, typer.Option(help="Run seeds 0..N-1 instead of the set's seeds.")] = None,
-    tune: Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials "
-                                                  "each (the set's `tune:` block, with trials N).")] = None,
-    untuned: Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
-                                                            "comparison's seeds (default vs tuned).")] = False,
-    resume: Annotated[str | None, typer.Option(help="Go on with a stopped or killed comparison (its MLflow run id); "
-                                                    "running the same command again does the same.")] = None,
-    storage: Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
-                                                     "$FEDPILOT_DB or sqlite:///fedpilot.db).")] = None,
-    cache_dir: CacheDir = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
-    heartbeat_seconds: Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process "
-                                                        "silent for 3 heartbeats has its work taken over.")] = 10,
-    result_file: ResultFile = None,
-    to: Annotated[str | None, typer.Option("--to", help="Do the work elsewhere instead of in this process: `queue` "
-                                                        "(fedpilot workers) or `slurm` (a job array).")] = None,
-    parallel: Annotated[int, typer.Option(help="Jobs that share the comparison's work (1 to 1000; with --to).")] = 1,
+    tune: Tune = None, untuned: Untuned = False, resume: ResumeComparison = None, storage: Storage = None,
+    cache_dir: CacheDir = None, progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
+    heartbeat_seconds: Heartbeat = 10, result_file: ResultFile = None, to: To = None, parallel: Parallel = 1,
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
@@ -285,7 +285,7 @@ def compare(
     (mean, p10; mean and sd over seeds; paired differences with the baseline), each client's change against the
     baseline on each seed and the clients helped / hurt on every seed, what each study chose, and a report
     (report.html); ends with run_id. Stopped or killed, the same command (or --resume RUN_ID) goes on from what is
-    done."""
+    done; --to queue|slurm --parallel N leaves the work to N jobs."""
     from fedpilot.settings import SQL_INT_MAX, check_output, platform_db
 
     try:
@@ -299,10 +299,16 @@ def compare(
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
-    if target is not None:
+    if target is None:
+        _compare_here(plan, root, resume, storage_url, progress, heartbeat_seconds, result_file)
+    else:
         _send_comparison(plan, resume, target, parallel, storage, slurm_flags(partition, gpus, cpus, mem, time,
                                                                               account, qos))
-        return
+
+
+def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, progress: bool, heartbeat: int,
+                  result_file: Path | None) -> None:
+    """The comparison's work in this process (beside any other), then its table, report and run id printed."""
     from fedpilot.compare.run import comparison_run, run_comparison
     from fedpilot.pipeline.progress import quiet_lightning
     from fedpilot.pipeline.signals import Stopped
@@ -310,14 +316,14 @@ def compare(
 
     quiet_lightning()
     quiet_optuna()
-    tracker, run_id = comparison_run(plan, resume)
+    _, run_id = comparison_run(plan, resume)
     write_result(result_file, run_id=run_id)
     tuned = f", each tuned over {plan.comparison.tune.trials} trials" if plan.tuning else ""
     typer.echo(f"comparison {plan.comparison.name}: {len(plan.specs)} pipelines x seeds {plan.seeds}{tuned}; "
                f"run {run_id}")
     try:
         with reporting(result_file):
-            result = run_comparison(plan, storage_url, root, progress, typer.echo, run_id, heartbeat_seconds)
+            result = run_comparison(plan, storage_url, root, progress, typer.echo, run_id, heartbeat)
     except Stopped as stop:
         typer.echo(f"\nstopped; continue with: {program()} compare --resume {run_id}", err=True)
         raise typer.Exit(stop.code) from None

@@ -63,6 +63,13 @@ def primary(task: str) -> str:
     return next(iter(TASK_METRICS[task]))
 
 
+def scores_of(metric: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A comparison's scores of a run by its task's primary `metric`: the headline ones (test mean and p10, compared
+    with the baseline) and those shown where recorded (the novel clients' mean, the selected models' mean)."""
+    return (tuple(f"test_{metric}_{stat}" for stat in HEADLINE_STATS),
+            (f"{NOVEL}_test_{metric}_mean", f"{SELECTED}_test_{metric}_mean"))
+
+
 def higher_is_better(metric: str) -> bool:
     """Whether a larger value of the per-client `metric` (acc, loss, mse, ...) is better."""
     return metric not in LOWER_IS_BETTER

@@ -12,7 +12,7 @@ first pipeline), the seeds, optionally overrides applied to every pipeline, and 
 
 Each pipeline runs once per seed with its `seed` set to it (a different partition and initialisation, the same for
 every pipeline of that seed, so a shared pretraining stage is trained once per seed and reused from the stage
-cache). The score of a run is its last stage's distribution of per-client test accuracy (plan.scores_of).
+cache). The score of a run is its last stage's distribution of per-client test accuracy (metric_names.scores_of).
 
 Tuned (compare.plan, compare.work): each pipeline, baseline included, gets one Optuna study of exactly N finished
 trials over what its algorithms declare tunable in the stages after those every pipeline shares (or its own written

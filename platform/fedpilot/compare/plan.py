@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 
 from fedpilot.errors import SpecError, from_validation, within
-from fedpilot.metric_names import HEADLINE_STATS, NOVEL, OBJECTIVE_METRICS, SELECTED, primary
+from fedpilot.metric_names import OBJECTIVE_METRICS, primary
 from fedpilot.names import check_name
 from fedpilot.schema import Seed, Strict
 from fedpilot.settings import SQL_INT_MAX
@@ -20,13 +20,6 @@ from fedpilot.spec import PipelineSpec, PrunerSpec, SamplerSpec, load_pipeline, 
 
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
 TUNED, WRITTEN = "tuned", "written"  # a pipeline run's variant: at its study's choice, or as its file gives it
-
-
-def scores_of(metric: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The scores of a run by its task's primary `metric`: the headline ones (test mean and p10, compared with the
-    baseline) and those shown where recorded (the novel clients' mean, the selected models' mean)."""
-    return (tuple(f"test_{metric}_{stat}" for stat in HEADLINE_STATS),
-            (f"{NOVEL}_test_{metric}_mean", f"{SELECTED}_test_{metric}_mean"))
 
 
 class TuneSpec(Strict):

@@ -15,11 +15,11 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, federation_note, participating, seed_counts
-from fedpilot.compare.plan import TUNED, WRITTEN, Plan, scores_of
+from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.compare.stats import StudySummary, resolution, summarize
 from fedpilot.compare.table import format_counts, format_resolution, format_table, format_tuning
 from fedpilot.compare.work import Unit, Work, finished_runs
-from fedpilot.metric_names import higher_is_better
+from fedpilot.metric_names import higher_is_better, scores_of
 from fedpilot.report import log_report
 from fedpilot.report.runs import clients_frame
 from fedpilot.tracking import STAGE_TAG, Tracker

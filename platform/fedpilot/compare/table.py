@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedpilot.compare.plan import scores_of
 from fedpilot.compare.stats import StudySummary
-from fedpilot.metric_names import metric_label
+from fedpilot.metric_names import metric_label, scores_of
 from fedpilot.overview import aligned
 
 Rows = list[list[str]]  # the first row is the header

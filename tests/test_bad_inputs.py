@@ -1,9 +1,11 @@
 """A corpus of bad inputs: each ends with exit code 2, one `error: key=value: problem` line naming the bad key or
-value, no traceback, and nothing created (no MLflow run, no stage cache or checkpoint, no job or schedule row).
+value, no traceback, and nothing created (no MLflow run, no dataset or stage cache entry or checkpoint, no job or
+schedule row).
 
 Every case runs the real CLI in-process in a fresh directory with its own stores; a few go through a real
 subprocess (the alias bomb, with a time limit, and one ordinary case). Escape attempts point at a sibling
-directory that must stay as it was.
+directory that must stay as it was. Refusals made once the data is built also compare the stores (the cache,
+the MLflow store, the platform database) file by file before and after.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mlflow
 import pytest
 import yaml
 
+from fedpilot.data.federated import Build
 from fedpilot.errors import SpecError
 from fedpilot.spec import (
     MAX_FILE_BYTES,
@@ -534,11 +537,12 @@ def check_output(code: int, output: str, expect: str) -> None:
 
 @pytest.mark.parametrize(("spec", "command", "args", "expect", "escape", "file"), CASES)
 def test_bad_input_exits_2_naming_it_and_creates_nothing(place, spec, command, args, expect, escape, file):
-    before = snapshot(place["outside"])
+    before, cached = snapshot(place["outside"]), snapshot(place["tmp"] / "cache")
     path = [str(write(spec, place, file))] if spec is not None else []
     code, output = cli(*command, *path, *(fill(a, place) for a in args))
     check_output(code, output, fill(expect, place))
     assert created(place["tmp"]) == []
+    assert snapshot(place["tmp"] / "cache") == cached  # no dataset built into the cache either
     if escape:
         assert snapshot(place["outside"]) == before
 
@@ -583,3 +587,82 @@ def test_validate_and_submit_warn_when_the_data_cannot_be_reached_from_here(plac
     assert code == 0 and "warning: dataset.source.path='someone/no-such-dataset'" in output and "ok:" in output
     code, output = cli("submit", str(path))
     assert code == 0 and "warning:" in output
+
+
+# ---- refusals made once the data is built: the stores stay as they were ------------------------------------
+
+NOVEL_ALL = edit(evaluation={"novel_clients": 8})
+SEARCH_NOVEL_ALL = edit(SEARCHABLE, evaluation={"novel_clients": 8})
+HOLDS_OUT_ALL = "evaluation.novel_clients=8: holds out 8 of the federation's 8 clients"
+NOTHING_PERSONAL = "personalization='none': stage 'personalize' (fedalt) trains personal parameters"
+NIGHTLY = ("--cron", "0 2 * * *", "--trials", "1")
+
+AFTER_BUILD = [
+    case("novel-every-client-run", HOLDS_OUT_ALL, NOVEL_ALL, command=("run",)),
+    case("novel-every-client-search", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, command=("search",)),
+    case("novel-every-client-search-queued", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, "--to", "queue", "--parallel", "2",
+         command=("search",)),
+    case("novel-every-client-submit", HOLDS_OUT_ALL, NOVEL_ALL, command=("submit",)),
+    case("novel-every-client-schedule", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, *NIGHTLY, command=("schedule", "add")),
+    case("novel-leave-too-few-for-a-cohort-run", "stages.0.clients_per_round=4: only 3 of the federation's 8",
+         edit(evaluation={"novel_clients": 5}), command=("run",)),
+    case("select-val-without-val-search", "search.objective.0.metric='val_acc_weighted': no client has a validation "
+         "sample", edit(SEARCHABLE, evaluation={"select": "val"}), "dataset.split={train: 0.8, val: 0, test: 0.2}",
+         command=("search",)),
+    case("personalized-algorithm-nothing-personal-submit", NOTHING_PERSONAL, BASE, "personalization=none",
+         command=("submit",)),
+    case("personalized-algorithm-nothing-personal-schedule", NOTHING_PERSONAL, SEARCHABLE, "personalization=none",
+         *NIGHTLY, command=("schedule", "add")),
+    case("model-reads-other-inputs-run", "model.name='transformer': does not read", edit(model={"name": "transformer"}),
+         command=("run",)),
+    case("round-plan-past-memory-validate", "a round's batch plan", BASE, "stages.0.local.epochs=1e12"),
+    case("model-past-memory-run", "more than this machine's", BASE, "model.hidden=[9007199254740993]",
+         command=("run",)),  # counted after prepare, on the meta device
+    case("search-several-devices", "devices=2", SEARCHABLE, "devices=2", command=("search",)),  # refused by Search
+    case("submit-trials-without-search", "--trials=3: only search jobs have trials", BASE, "--trials", "3",
+         command=("submit",)),
+    case("submit-run-in-parallel", "--parallel=2: only a search runs in parallel", BASE, "--parallel", "2",
+         command=("submit",)),
+]
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[Path]:
+    """The cache entries datasets are built for in this test (Build.stage watched)."""
+    built: list[Path] = []
+    stage = Build.stage
+
+    def watched(self: Build, folder: Path) -> Any:
+        built.append(folder)
+        return stage(self, folder)
+
+    monkeypatch.setattr(Build, "stage", watched)
+    return built
+
+
+def stores(tmp: Path) -> dict[str, bytes]:
+    """Every file of the cache, the MLflow store and the platform database, with its bytes."""
+    return {name: data for name, data in snapshot(tmp).items()
+            if name.split("/")[0] in ("cache", "mlflow.db", "mlruns", "mlartifacts", "fedpilot.db")}
+
+
+@pytest.mark.parametrize(("spec", "command", "args", "expect", "escape", "file"), AFTER_BUILD)
+def test_a_refusal_once_the_data_is_built_leaves_the_stores_as_they_were(place, builds, spec, command, args, expect,
+                                                                         escape, file):
+    path = str(write(spec, place, file))
+    before = stores(place["tmp"])
+    code, output = cli(*command, path, *args)
+    check_output(code, output, expect)
+    assert builds, "refused before the dataset was built: not a case of this class"
+    assert stores(place["tmp"]) == before
+
+
+def test_compare_refused_once_the_data_is_built_leaves_the_stores_as_they_were(place, builds):
+    write(NOVEL_ALL, place)
+    comparison = write({"name": "held-out", "baseline": BASE["name"], "seeds": 1, "pipelines": ["pipeline.yaml"]},
+                       place, "set.yaml")
+    before = stores(place["tmp"])
+    code, output = cli("compare", str(comparison))
+    check_output(code, output, HOLDS_OUT_ALL)
+    assert builds and stores(place["tmp"]) == before
+

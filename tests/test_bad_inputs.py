@@ -4,8 +4,9 @@ schedule row).
 
 Every case runs the real CLI in-process in a fresh directory with its own stores; a few go through a real
 subprocess (the alias bomb, with a time limit, and one ordinary case). Escape attempts point at a sibling
-directory that must stay as it was. Refusals made once the data is built also compare the stores (the cache,
-the MLflow store, the platform database) file by file before and after.
+directory that must stay as it was. Two classes compare the stores (the cache, the MLflow store, the platform
+database) file by file before and after: refusals made once the data is built, and paths from the environment or
+a flag that cannot be created.
 """
 
 from __future__ import annotations
@@ -665,4 +666,64 @@ def test_compare_refused_once_the_data_is_built_leaves_the_stores_as_they_were(p
     code, output = cli("compare", str(comparison))
     check_output(code, output, HOLDS_OUT_ALL)
     assert builds and stores(place["tmp"]) == before
+
+
+# ---- paths from the environment or a flag that cannot be created --------------------------------------------
+
+SQLITE, FOLDER = "sqlite:////proc/fedpilot/store.db", "/proc/fedpilot/store"  # nothing can be created under /proc
+
+
+def path_case(name: str, environment: dict[str, str], args: tuple[str, ...], expect: str) -> Any:
+    return pytest.param(environment, args, expect, id=name)
+
+
+PATHS = [
+    path_case("tracking-sqlite-validate", {"MLFLOW_TRACKING_URI": SQLITE}, ("validate", "pipeline.yaml"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}': not a file fedpilot can write"),
+    path_case("tracking-sqlite-run", {"MLFLOW_TRACKING_URI": SQLITE}, ("run", "pipeline.yaml"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
+    path_case("tracking-sqlite-search", {"MLFLOW_TRACKING_URI": SQLITE}, ("search", "pipeline.yaml"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
+    path_case("tracking-sqlite-compare", {"MLFLOW_TRACKING_URI": SQLITE}, ("compare", "set.yaml"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
+    path_case("tracking-sqlite-report", {"MLFLOW_TRACKING_URI": SQLITE}, ("report", "abc"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
+    path_case("tracking-sqlite-worker", {"MLFLOW_TRACKING_URI": SQLITE}, ("worker", "--exit-when-idle"),
+              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
+    path_case("tracking-folder-run", {"MLFLOW_TRACKING_URI": FOLDER}, ("run", "pipeline.yaml"),
+              f"MLFLOW_TRACKING_URI='{FOLDER}': not a folder fedpilot can write"),
+    path_case("db-jobs", {"FEDPILOT_DB": SQLITE}, ("jobs",), f"FEDPILOT_DB='{SQLITE}': not a file fedpilot can write"),
+    path_case("db-submit", {"FEDPILOT_DB": SQLITE}, ("submit", "pipeline.yaml"), f"FEDPILOT_DB='{SQLITE}'"),
+    path_case("db-schedule", {"FEDPILOT_DB": SQLITE}, ("schedule", "add", "pipeline.yaml", *NIGHTLY),
+              f"FEDPILOT_DB='{SQLITE}'"),
+    path_case("db-search", {"FEDPILOT_DB": SQLITE}, ("search", "pipeline.yaml"), f"FEDPILOT_DB='{SQLITE}'"),
+    path_case("db-option", {}, ("cancel", "1", "--db", SQLITE), f"--db='{SQLITE}': not a file fedpilot can write"),
+    path_case("storage-option", {}, ("search", "pipeline.yaml", "--storage", SQLITE), f"--storage='{SQLITE}'"),
+    path_case("cache-validate", {"FEDPILOT_CACHE": FOLDER}, ("validate", "pipeline.yaml"),
+              f"FEDPILOT_CACHE='{FOLDER}': not a folder fedpilot can write"),
+    path_case("cache-run", {"FEDPILOT_CACHE": FOLDER}, ("run", "pipeline.yaml"), f"FEDPILOT_CACHE='{FOLDER}'"),
+    path_case("cache-describe", {"FEDPILOT_CACHE": FOLDER}, ("data", "describe", "pipeline.yaml"),
+              f"FEDPILOT_CACHE='{FOLDER}'"),
+    path_case("cache-dir-option", {}, ("search", "pipeline.yaml", "--cache-dir", FOLDER),
+              f"--cache-dir='{FOLDER}': not a folder fedpilot can write"),
+    path_case("report-output", {}, ("report", "abc", "-o", "/proc/report.html"),
+              "--output='/proc/report.html': not a file fedpilot can write"),
+    path_case("result-file", {}, ("run", "pipeline.yaml", "--result-file", "/proc/result.json"),
+              "--result-file='/proc/result.json': not a file fedpilot can write"),
+    path_case("new-plugin-into", {}, ("new", "algorithm", "mine", "--into", FOLDER),
+              f"--into='{FOLDER}': not a folder fedpilot can write"),
+    path_case("configs", {"FEDPILOT_CONFIGS": FOLDER}, ("validate", "pipeline.yaml"),
+              f"FEDPILOT_CONFIGS='{FOLDER}': no such folder"),
+]
+
+
+@pytest.mark.parametrize(("environment", "args", "expect"), PATHS)
+def test_a_path_that_cannot_be_created_is_named_before_any_work(place, monkeypatch, environment, args, expect):
+    write(SEARCHABLE, place)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    before = stores(place["tmp"])
+    code, output = cli(*args)
+    check_output(code, output, expect)
+    assert stores(place["tmp"]) == before and not Path(FOLDER).parent.exists()
 

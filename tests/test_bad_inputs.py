@@ -671,49 +671,34 @@ def test_compare_refused_once_the_data_is_built_leaves_the_stores_as_they_were(p
 # ---- paths from the environment or a flag that cannot be created --------------------------------------------
 
 SQLITE, FOLDER = "sqlite:////proc/fedpilot/store.db", "/proc/fedpilot/store"  # nothing can be created under /proc
+FILE, DIR, PIPE = "not a file fedpilot can write", "not a folder fedpilot can write", "pipeline.yaml"
 
 
 def path_case(name: str, environment: dict[str, str], args: tuple[str, ...], expect: str) -> Any:
     return pytest.param(environment, args, expect, id=name)
 
 
+def everywhere(variable: str, value: str, problem: str, *commands: tuple[str, ...]) -> list[Any]:
+    """`variable`=`value` refused by each of `commands`, naming the variable, the value and the problem."""
+    return [path_case(f"{variable}:{' '.join(args[:2])}", {variable: value}, args, f"{variable}='{value}': {problem}")
+            for args in commands]
+
+
 PATHS = [
-    path_case("tracking-sqlite-validate", {"MLFLOW_TRACKING_URI": SQLITE}, ("validate", "pipeline.yaml"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}': not a file fedpilot can write"),
-    path_case("tracking-sqlite-run", {"MLFLOW_TRACKING_URI": SQLITE}, ("run", "pipeline.yaml"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
-    path_case("tracking-sqlite-search", {"MLFLOW_TRACKING_URI": SQLITE}, ("search", "pipeline.yaml"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
-    path_case("tracking-sqlite-compare", {"MLFLOW_TRACKING_URI": SQLITE}, ("compare", "set.yaml"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
-    path_case("tracking-sqlite-report", {"MLFLOW_TRACKING_URI": SQLITE}, ("report", "abc"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
-    path_case("tracking-sqlite-worker", {"MLFLOW_TRACKING_URI": SQLITE}, ("worker", "--exit-when-idle"),
-              f"MLFLOW_TRACKING_URI='{SQLITE}'"),
-    path_case("tracking-folder-run", {"MLFLOW_TRACKING_URI": FOLDER}, ("run", "pipeline.yaml"),
-              f"MLFLOW_TRACKING_URI='{FOLDER}': not a folder fedpilot can write"),
-    path_case("db-jobs", {"FEDPILOT_DB": SQLITE}, ("jobs",), f"FEDPILOT_DB='{SQLITE}': not a file fedpilot can write"),
-    path_case("db-submit", {"FEDPILOT_DB": SQLITE}, ("submit", "pipeline.yaml"), f"FEDPILOT_DB='{SQLITE}'"),
-    path_case("db-schedule", {"FEDPILOT_DB": SQLITE}, ("schedule", "add", "pipeline.yaml", *NIGHTLY),
-              f"FEDPILOT_DB='{SQLITE}'"),
-    path_case("db-search", {"FEDPILOT_DB": SQLITE}, ("search", "pipeline.yaml"), f"FEDPILOT_DB='{SQLITE}'"),
-    path_case("db-option", {}, ("cancel", "1", "--db", SQLITE), f"--db='{SQLITE}': not a file fedpilot can write"),
-    path_case("storage-option", {}, ("search", "pipeline.yaml", "--storage", SQLITE), f"--storage='{SQLITE}'"),
-    path_case("cache-validate", {"FEDPILOT_CACHE": FOLDER}, ("validate", "pipeline.yaml"),
-              f"FEDPILOT_CACHE='{FOLDER}': not a folder fedpilot can write"),
-    path_case("cache-run", {"FEDPILOT_CACHE": FOLDER}, ("run", "pipeline.yaml"), f"FEDPILOT_CACHE='{FOLDER}'"),
-    path_case("cache-describe", {"FEDPILOT_CACHE": FOLDER}, ("data", "describe", "pipeline.yaml"),
-              f"FEDPILOT_CACHE='{FOLDER}'"),
-    path_case("cache-dir-option", {}, ("search", "pipeline.yaml", "--cache-dir", FOLDER),
-              f"--cache-dir='{FOLDER}': not a folder fedpilot can write"),
-    path_case("report-output", {}, ("report", "abc", "-o", "/proc/report.html"),
-              "--output='/proc/report.html': not a file fedpilot can write"),
-    path_case("result-file", {}, ("run", "pipeline.yaml", "--result-file", "/proc/result.json"),
-              "--result-file='/proc/result.json': not a file fedpilot can write"),
-    path_case("new-plugin-into", {}, ("new", "algorithm", "mine", "--into", FOLDER),
-              f"--into='{FOLDER}': not a folder fedpilot can write"),
-    path_case("configs", {"FEDPILOT_CONFIGS": FOLDER}, ("validate", "pipeline.yaml"),
-              f"FEDPILOT_CONFIGS='{FOLDER}': no such folder"),
+    *everywhere("MLFLOW_TRACKING_URI", SQLITE, FILE, ("validate", PIPE), ("run", PIPE), ("search", PIPE),
+                ("compare", "set.yaml"), ("report", "abc"), ("worker", "--exit-when-idle")),
+    *everywhere("MLFLOW_TRACKING_URI", FOLDER, DIR, ("run", PIPE)),
+    *everywhere("FEDPILOT_DB", SQLITE, FILE, ("jobs",), ("submit", PIPE), ("schedule", "add", PIPE, *NIGHTLY),
+                ("search", PIPE)),
+    *everywhere("FEDPILOT_CACHE", FOLDER, DIR, ("validate", PIPE), ("run", PIPE), ("data", "describe", PIPE)),
+    *everywhere("FEDPILOT_CONFIGS", FOLDER, "no such folder", ("validate", PIPE)),
+    path_case("--db", {}, ("cancel", "1", "--db", SQLITE), f"--db='{SQLITE}': {FILE}"),
+    path_case("--storage", {}, ("search", PIPE, "--storage", SQLITE), f"--storage='{SQLITE}': {FILE}"),
+    path_case("--cache-dir", {}, ("search", PIPE, "--cache-dir", FOLDER), f"--cache-dir='{FOLDER}': {DIR}"),
+    path_case("--output", {}, ("report", "abc", "-o", "/proc/report.html"), f"--output='/proc/report.html': {FILE}"),
+    path_case("--result-file", {}, ("run", PIPE, "--result-file", "/proc/result.json"),
+              f"--result-file='/proc/result.json': {FILE}"),
+    path_case("--into", {}, ("new", "algorithm", "mine", "--into", FOLDER), f"--into='{FOLDER}': {DIR}"),
 ]
 
 

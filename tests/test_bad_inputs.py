@@ -6,7 +6,8 @@ Every case runs the real CLI in-process in a fresh directory with its own stores
 subprocess (the alias bomb, with a time limit, and one ordinary case). Escape attempts point at a sibling
 directory that must stay as it was. Two classes compare the stores (the cache, the MLflow store, the platform
 database) file by file before and after: refusals made once the data is built, and paths from the environment or
-a flag that cannot be created.
+a flag that cannot be created. The benchmark scripts' bad arguments run each script in a subprocess: argparse's
+one error line and exit code 2 before any work.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ SEARCH = {"space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "hig
           "objective": {"metric": "val_acc_weighted"}, "trials": 2}
 SEARCHABLE = {**BASE, "search": SEARCH}
 HF = {"kind": "hf", "path": "@DATA@/numbers.parquet", "feature": "x", "label": "y"}
+ROOT = Path(__file__).resolve().parent.parent
 BOMB = "".join([f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]\n" if i else "l0: &l0 [lol]\n"
                 for i in range(10)]) + "name: *l9\n"
 
@@ -712,3 +714,53 @@ def test_a_path_that_cannot_be_created_is_named_before_any_work(place, monkeypat
     check_output(code, output, expect)
     assert stores(place["tmp"]) == before and not Path(FOLDER).parent.exists()
 
+
+# ---- the benchmark scripts: argparse's one-line error before any work ---------------------------------------
+
+def bench_case(script: str, expect: str, *args: str) -> Any:
+    return pytest.param(script, args, expect, id=f"{script}:{' '.join(args)}")
+
+
+BENCH = [
+    bench_case("rehearsal.py", "argument --fraction: '0': must be > 0 and <= 1", "--fraction", "0"),
+    bench_case("rehearsal.py", "argument --fraction: '2': must be > 0 and <= 1", "--fraction", "2"),
+    bench_case("rehearsal.py", "argument --users: '-5': must be >= 1", "--users", "-5"),
+    bench_case("rehearsal.py", "argument --out: '/proc/fedpilot': not a folder fedpilot can write", "--out",
+               "/proc/fedpilot"),
+    bench_case("rehearsal.py", "argument --table: 'missing.json': no such file", "--table", "missing.json"),
+    bench_case("rehearsal.py", "argument --femnist-model: invalid choice: 'transformer'", "--femnist-model",
+               "transformer"),
+    bench_case("compare.py", "argument --warmup: 7 must be below --rounds (7)", "--warmup", "7"),
+    bench_case("compare.py", "argument --clients-per-round: 2000 is more than the 1000 clients", "--clients-per-round",
+               "2000"),
+    bench_case("compare.py", "argument --device: 'tpu': not a device", "--device", "tpu"),
+    bench_case("compare.py", "argument --json: 'missing/out.json': no such folder", "--json", "missing/out.json"),
+    bench_case("engine_throughput.py", "argument --gemm-gflops: 'nan': must be > 0", "--gemm-gflops", "nan"),
+    bench_case("first_step.py", "argument --clients: 'many' is not an integer", "--clients", "many"),
+    bench_case("first_step.py", "argument --device: 'cuda:99': ", "--device", "cuda:99"),
+    bench_case("scale.py", "argument --cohort: 5000 is more than the 1000 clients", "--cohort", "5000"),
+    bench_case("gpu/profile_round.py", "argument --precision: invalid choice: '16-mixed'", "--device", "cpu",
+               "--precision", "16-mixed"),
+    bench_case("gpu/check.py", "argument out: '/proc/fedpilot': not a folder fedpilot can write", "/proc/fedpilot"),
+    bench_case("gpu/check.py", "argument --minutes: '-1': must be > 0", "out", "--minutes", "-1"),
+    bench_case("gpu/wheelset.py", "argument report: 'missing.json': no such file", "missing.json", "--needed", "a",
+               "--node", "b"),
+    bench_case("gpu/wheelset.py", "argument --needed: 'a b': not a requirement", "report.json", "--needed", "a b",
+               "--node", "b"),
+    bench_case("contenders/plain_torch.py", "argument --workload: '{\"clients\": -1}': not a workload",
+               "--workload", '{"clients": -1}', "--out", "out.json"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), BENCH)
+def test_a_benchmark_script_refuses_a_bad_argument_before_any_work(tmp_path, script, args, expect):
+    (tmp_path / "report.json").write_text('{"install": []}')
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert done.returncode == 2 and len(errors) == 1 and expect in errors[0], done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime < 30  # imports, then the refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

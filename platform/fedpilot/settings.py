@@ -207,7 +207,7 @@ def check_file(key: str, value: str, path: Path, create_folder: bool) -> None:
         raise SpecError(key, value, "is a folder, not a file")
     if path.exists():
         try:  # opened, not os.access: that answers yes to root for files nothing can write (under /proc)
-            os.close(os.open(path, os.O_WRONLY))
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a FIFO without a reader does not wait
         except OSError as err:
             raise SpecError(key, value, f"is not writable ({err.strerror})") from None
         return

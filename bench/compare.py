@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from arguments import COUNT, POSITIVE, WARMUP, check_warmup, device_name, output_file
 from machine import Watch, describe, gemm_gflops
 from workload import WORKLOADS, flops_per_round, write_data
 
@@ -142,11 +143,11 @@ def print_table(model: str, work, rows: list[dict], flops: float, gemm: float, g
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=7, help="rounds per contender, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--rounds", type=COUNT, default=7, help="rounds per contender, warm-up included")
+    parser.add_argument("--warmup", type=WARMUP, default=2)
+    parser.add_argument("--repeats", type=COUNT, default=3,
                         help="turns of every contender (its process run anew each time); the table gives the median")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_name, default="cpu")
     parser.add_argument("--peers", nargs="*", default=["pfl", "flower"], choices=["pfl", "flower"])
     parser.add_argument("--no-peers", action="store_true", help="only fedpilot and the plain PyTorch loops")
     parser.add_argument("--no-scaling", action="store_true", help="skip fedpilot's scaling tables")
@@ -154,15 +155,20 @@ def main() -> None:
                         help="skip the federation-size tables (bench/scale.py: 1k to 1M clients, cohorts 10 to 1000)")
     parser.add_argument("--no-first-step", action="store_true",
                         help="skip the CNN's first local step batched over clients (bench/first_step.py)")
-    parser.add_argument("--clients-per-round", type=int, nargs="+", help="one table per cohort size (default: the "
+    parser.add_argument("--clients-per-round", type=COUNT, nargs="+", help="one table per cohort size (default: the "
                         "workload's 50; at most the workload's clients)")
-    parser.add_argument("--clients", type=int, help="clients in the federation (default: the workload's 1000)")
+    parser.add_argument("--clients", type=COUNT, help="clients in the federation (default: the workload's 1000)")
     parser.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS),
                         help="run only these (default: fedpilot, its bf16 and sequential rows, the plain loops, peers)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
-    parser.add_argument("--gemm-seconds", type=float, default=3.0, help="time spent measuring each GEMM rate")
-    parser.add_argument("--json", help="also write every measurement to this file")
+    parser.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds per contender")
+    parser.add_argument("--gemm-seconds", type=POSITIVE, default=3.0, help="time spent measuring each GEMM rate")
+    parser.add_argument("--json", type=output_file, help="also write every measurement to this file")
     args = parser.parse_args()
+    check_warmup(parser, args)
+    clients = args.clients or min(WORKLOADS[model].clients for model in args.models)
+    if args.clients_per_round and max(args.clients_per_round) > clients:
+        parser.error(f"argument --clients-per-round: {max(args.clients_per_round)} is more than the {clients} "
+                     "clients of the federation")
 
     info = describe(args.device)
     gemm32, n32 = gemm_gflops(torch.float32, args.device, args.gemm_seconds)
@@ -184,8 +190,10 @@ def main() -> None:
     results = {"machine": info, "gemm_gflops": {"fp32": gemm32, "bf16": gemm16}, "models": {}}
     results["tables"] = []
     for model in args.models:
-        base = replace(WORKLOADS[model], clients=args.clients or WORKLOADS[model].clients)
-        for cohort in args.clients_per_round or [min(base.clients_per_round, base.clients)]:
+        clients = args.clients or WORKLOADS[model].clients
+        base = replace(WORKLOADS[model], clients=clients, clients_per_round=min(WORKLOADS[model].clients_per_round,
+                                                                                 clients))
+        for cohort in args.clients_per_round or [base.clients_per_round]:
             work = replace(base, clients_per_round=cohort)
             write_data(work)
             flops = flops_per_round(work)

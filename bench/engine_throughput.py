@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "contenders"))
+from arguments import COUNT, POSITIVE, WARMUP, check_warmup, device_name  # noqa: E402
 from fedpilot_engine import round_times, stage_for  # noqa: E402
 from machine import gemm_gflops  # noqa: E402
 from workload import WORKLOADS, Workload, flops_per_round, median_after_warmup, write_data  # noqa: E402
@@ -50,12 +51,13 @@ def evaluation_seconds(work: Workload) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per measurement, warm-up included")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", type=device_name, default="cpu")
+    parser.add_argument("--rounds", type=COUNT, default=4, help="rounds per measurement, warm-up included")
+    parser.add_argument("--warmup", type=WARMUP, default=1)
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(WORKLOADS))
-    parser.add_argument("--gemm-gflops", type=float, help="the fp32 GEMM rate to compare with (default: measure)")
+    parser.add_argument("--gemm-gflops", type=POSITIVE, help="the fp32 GEMM rate to compare with (default: measure)")
     args = parser.parse_args()
+    check_warmup(parser, args)
     gemm = args.gemm_gflops or gemm_gflops(torch.float32, args.device)[0]
     print(f"\n## fedpilot scaling (FedAvg, auto executor, {args.device}, median of {args.rounds - args.warmup} rounds; "
           f"fp32 GEMM {gemm:.0f} GFLOP/s)\n")

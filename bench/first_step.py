@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from arguments import COUNT, device_name
 from torch import nn
 from workload import WORKLOADS, build_model
 
@@ -44,11 +45,11 @@ def local_steps(name: str, model: nn.Module, shared: Params, heads: Params, x: t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--clients", type=int, default=50)
-    parser.add_argument("--batch", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=1, help="local steps per client (the workload's epoch: 2)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", type=device_name, default="cpu")
+    parser.add_argument("--clients", type=COUNT, default=50)
+    parser.add_argument("--batch", type=COUNT, default=10)
+    parser.add_argument("--steps", type=COUNT, default=1, help="local steps per client (the workload's epoch: 2)")
+    parser.add_argument("--repeats", type=COUNT, default=5)
     parser.add_argument("--personal-head", action="store_true",
                         help="each client's head is its own and frozen, the body trained (FedAlt's and FedRep's shared "
                              "phase)")

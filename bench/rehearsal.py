@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -400,22 +401,29 @@ def written(folder: Path, write, *args) -> dict:
 
 
 def main() -> None:
+    from arguments import COUNT, FRACTION, SEED, input_file, output_file, output_folder
+
+    from fedpilot.engine.config import StageConfig
+    from fedpilot.models.options import MODELS, reads_tokens
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fraction", type=float, default=0.01, help="share of the true sizes (1 = true sizes)")
-    parser.add_argument("--users", type=int, default=None, help="this many writers/users instead")
+    parser.add_argument("--fraction", type=FRACTION, default=0.01, help="share of the true sizes (1 = true sizes)")
+    parser.add_argument("--users", type=COUNT, default=None, help="this many writers/users instead")
     parser.add_argument("--only", choices=["femnist", "stackoverflow"], default=None)
-    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "fedpilot-rehearsal")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--so-rounds", type=int, default=None, help="rounds of the Stack Overflow run (default "
+    parser.add_argument("--out", type=output_folder, default=Path(tempfile.gettempdir()) / "fedpilot-rehearsal")
+    parser.add_argument("--json", type=output_file, default=None)
+    parser.add_argument("--rounds", type=COUNT, default=20)
+    parser.add_argument("--so-rounds", type=COUNT, default=None, help="rounds of the Stack Overflow run (default "
                         "--rounds; a round of 50 transformer clients is minutes on 2 cores)")
-    parser.add_argument("--femnist-model", default="cnn", help="model of the FEMNIST run (the issue's CNN; the "
-                                                               "shipped pipeline names resnet18)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--execution", default=None, help="pin the run's executor (default: the pipeline's, auto)")
+    parser.add_argument("--femnist-model", default="cnn", choices=[m for m in MODELS.builtins if not reads_tokens(m)],
+                        help="model of the FEMNIST run (the issue's CNN; the shipped pipeline names resnet18)")
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--execution", default=None, choices=get_args(StageConfig.model_fields["execution"].annotation),
+                        help="pin the run's executor (default: the pipeline's, auto)")
     parser.add_argument("--skip-run", action="store_true", help="only the data commands (validate, describe)")
     parser.add_argument("--full-build", action="store_true", help="also build Stack Overflow with every user")
-    parser.add_argument("--table", type=Path, nargs="+", default=None, help="print these JSON results as Markdown")
+    parser.add_argument("--table", type=input_file, nargs="+", default=None,
+                        help="print these JSON results as Markdown")
     args = parser.parse_args()
     if args.table:
         print(markdown(args.table))

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "contenders"))
+from arguments import COUNT, POSITIVE, SEED, WARMUP, check_warmup, device_name, output_file  # noqa: E402
 from fedpilot_engine import RoundTimer  # noqa: E402
 from machine import describe  # noqa: E402
 from workload import DATA_DIR, RoundClock, median_after_warmup  # noqa: E402
@@ -332,36 +333,41 @@ def print_evaluations(rows: list[tuple[int, dict]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="federation sizes (clients that exist)")
-    parser.add_argument("--cohort", type=int, default=50, help="clients per round against the federation size")
-    parser.add_argument("--cohorts", type=int, nargs="*", default=COHORTS, help="clients per round (none: no table)")
-    parser.add_argument("--federation", type=int, default=10_000, help="clients that exist against the cohort size")
-    parser.add_argument("--eval-sizes", type=int, nargs="*",
+    parser.add_argument("--device", type=device_name, default="cpu")
+    parser.add_argument("--sizes", type=COUNT, nargs="+", default=SIZES, help="federation sizes (clients that exist)")
+    parser.add_argument("--cohort", type=COUNT, default=50, help="clients per round against the federation size")
+    parser.add_argument("--cohorts", type=COUNT, nargs="*", default=COHORTS, help="clients per round (none: no table)")
+    parser.add_argument("--federation", type=COUNT, default=10_000, help="clients that exist against the cohort size")
+    parser.add_argument("--eval-sizes", type=COUNT, nargs="*",
                         help="those of --sizes whose evaluation of every client is timed (after the rounds; "
                              "default: those of 1k, 100k and 1M among them)")
-    parser.add_argument("--rounds", type=int, default=25, help="rounds per configuration, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=COUNT, default=25, help="rounds per configuration, warm-up included")
+    parser.add_argument("--warmup", type=WARMUP, default=3)
     parser.add_argument("--cold", action="store_true",
                         help="evict the data files from the page cache before each configuration (data on storage)")
-    parser.add_argument("--threads", type=int, help="torch threads in each configuration (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
+    parser.add_argument("--threads", type=COUNT, help="torch threads in each configuration (default: torch's)")
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--profile", type=WARMUP, default=0, metavar="N",
                         help="print the N functions of most own time in the measured rounds of each configuration")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
-    parser.add_argument("--json", help="also write every configuration's measurements to this file")
+    parser.add_argument("--timeout", type=POSITIVE, default=900, help="seconds per configuration")
+    parser.add_argument("--json", type=output_file, help="also write every configuration's measurements to this file")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # one configuration (JSON), in this process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         Path(args.out).write_text(json.dumps(measure(Config(**json.loads(args.measure)))))
         return
-    if not 0 <= args.warmup < args.rounds:
-        parser.error("--warmup must be at least 0 and below --rounds")
+    check_warmup(parser, args)
     if args.eval_sizes is None:
         args.eval_sizes = [n for n in args.sizes if n in EVAL_SIZES]
     if set(args.eval_sizes) - set(args.sizes):
         parser.error(f"--eval-sizes {sorted(set(args.eval_sizes) - set(args.sizes))}: not among --sizes")
+    if args.cohort > min(args.sizes):
+        parser.error(f"argument --cohort: {args.cohort} is more than the {min(args.sizes)} clients of the smallest "
+                     "of --sizes")
+    if args.cohorts and max(args.cohorts) > args.federation:
+        parser.error(f"argument --cohorts: {max(args.cohorts)} is more than the {args.federation} clients of "
+                     "--federation")
     write_federation(max([*args.sizes, args.federation if args.cohorts else 0]), args.seed)
 
     def run(clients: int, cohort: int, evaluate: bool = False) -> dict:

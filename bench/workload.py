@@ -37,6 +37,17 @@ class Workload:
     lr: float = 0.05
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.model not in ("cnn", "mlp"):
+            raise ValueError(f"model {self.model!r}: cnn or mlp")
+        counts = {n: getattr(self, n) for n in ("width", "clients", "samples", "clients_per_round", "batch_size",
+                                                 "epochs")}
+        small = [f"{n}={v}" for n, v in counts.items() if not isinstance(v, int) or v < 1]
+        if small or not self.lr > 0:
+            raise ValueError(f"{', '.join(small) or f'lr={self.lr}'}: counts are integers of at least 1, lr > 0")
+        if self.clients_per_round > self.clients:
+            raise ValueError(f"clients_per_round={self.clients_per_round}: more than the {self.clients} clients")
+
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return (1, 28, 28) if self.model == "cnn" else (1, 8, 8)
@@ -50,7 +61,13 @@ class Workload:
 
     @classmethod
     def from_json(cls, text: str) -> Workload:
-        return cls(**json.loads(text))
+        """The workload of its JSON (`to_json`); an argparse type."""
+        import argparse
+
+        try:
+            return cls(**json.loads(text))
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a workload ({err})") from None
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.input_shape))
@@ -180,17 +197,21 @@ def report(out: str, contender: str, work: Workload, times: list[float], warmup:
 
 
 def contender_args(description: str, extra: dict[str, dict] | None = None):
-    """The command line every contender takes from the driver: workload, rounds, device, output file."""
+    """The command line every contender takes from the driver: workload, rounds, device, output file (the driver's
+    own temporary file: a contender in a peer's environment has no fedpilot to check it with)."""
     import argparse
+
+    from arguments import COUNT, WARMUP, check_warmup, device_name
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workload", type=Workload.from_json, default=WORKLOADS["cnn"])
-    parser.add_argument("--rounds", type=int, default=7, help="rounds run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=COUNT, default=7, help="rounds run, warm-up included")
+    parser.add_argument("--warmup", type=WARMUP, default=2)
+    parser.add_argument("--device", type=device_name, default="cpu")
     parser.add_argument("--out", required=True)
     for flag, options in (extra or {}).items():
         parser.add_argument(flag, **options)
     args = parser.parse_args()
+    check_warmup(parser, args)
     write_data(args.workload)
     return args

@@ -1,9 +1,13 @@
 """A corpus of bad inputs: each ends with exit code 2, one `error: key=value: problem` line naming the bad key or
-value, no traceback, and nothing created (no MLflow run, no stage cache or checkpoint, no job or schedule row).
+value, no traceback, and nothing created (no MLflow run, no dataset or stage cache entry or checkpoint, no job or
+schedule row).
 
 Every case runs the real CLI in-process in a fresh directory with its own stores; a few go through a real
 subprocess (the alias bomb, with a time limit, and one ordinary case). Escape attempts point at a sibling
-directory that must stay as it was.
+directory that must stay as it was. Two classes compare the stores (the cache, the MLflow store, the platform
+database) file by file before and after: refusals made once the data is built, and paths from the environment or
+a flag that cannot be created. The benchmark scripts' bad arguments run each script in a subprocess: argparse's
+one error line and exit code 2 before any work.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import mlflow
 import pytest
 import yaml
 
+from fedpilot.data.federated import Build
 from fedpilot.errors import SpecError
 from fedpilot.spec import (
     MAX_FILE_BYTES,
@@ -53,6 +58,7 @@ SEARCH = {"space": {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "hig
           "objective": {"metric": "val_acc_weighted"}, "trials": 2}
 SEARCHABLE = {**BASE, "search": SEARCH}
 HF = {"kind": "hf", "path": "@DATA@/numbers.parquet", "feature": "x", "label": "y"}
+ROOT = Path(__file__).resolve().parent.parent
 BOMB = "".join([f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]\n" if i else "l0: &l0 [lol]\n"
                 for i in range(10)]) + "name: *l9\n"
 
@@ -534,11 +540,12 @@ def check_output(code: int, output: str, expect: str) -> None:
 
 @pytest.mark.parametrize(("spec", "command", "args", "expect", "escape", "file"), CASES)
 def test_bad_input_exits_2_naming_it_and_creates_nothing(place, spec, command, args, expect, escape, file):
-    before = snapshot(place["outside"])
+    before, cached = snapshot(place["outside"]), snapshot(place["tmp"] / "cache")
     path = [str(write(spec, place, file))] if spec is not None else []
     code, output = cli(*command, *path, *(fill(a, place) for a in args))
     check_output(code, output, fill(expect, place))
     assert created(place["tmp"]) == []
+    assert snapshot(place["tmp"] / "cache") == cached  # no dataset built into the cache either
     if escape:
         assert snapshot(place["outside"]) == before
 
@@ -583,3 +590,177 @@ def test_validate_and_submit_warn_when_the_data_cannot_be_reached_from_here(plac
     assert code == 0 and "warning: dataset.source.path='someone/no-such-dataset'" in output and "ok:" in output
     code, output = cli("submit", str(path))
     assert code == 0 and "warning:" in output
+
+
+# ---- refusals made once the data is built: the stores stay as they were ------------------------------------
+
+NOVEL_ALL = edit(evaluation={"novel_clients": 8})
+SEARCH_NOVEL_ALL = edit(SEARCHABLE, evaluation={"novel_clients": 8})
+HOLDS_OUT_ALL = "evaluation.novel_clients=8: holds out 8 of the federation's 8 clients"
+NOTHING_PERSONAL = "personalization='none': stage 'personalize' (fedalt) trains personal parameters"
+NIGHTLY = ("--cron", "0 2 * * *", "--trials", "1")
+
+AFTER_BUILD = [
+    case("novel-every-client-run", HOLDS_OUT_ALL, NOVEL_ALL, command=("run",)),
+    case("novel-every-client-search", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, command=("search",)),
+    case("novel-every-client-search-queued", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, "--to", "queue", "--parallel", "2",
+         command=("search",)),
+    case("novel-every-client-submit", HOLDS_OUT_ALL, NOVEL_ALL, command=("submit",)),
+    case("novel-every-client-schedule", HOLDS_OUT_ALL, SEARCH_NOVEL_ALL, *NIGHTLY, command=("schedule", "add")),
+    case("novel-leave-too-few-for-a-cohort-run", "stages.0.clients_per_round=4: only 3 of the federation's 8",
+         edit(evaluation={"novel_clients": 5}), command=("run",)),
+    case("select-val-without-val-search", "search.objective.0.metric='val_acc_weighted': no client has a validation "
+         "sample", edit(SEARCHABLE, evaluation={"select": "val"}), "dataset.split={train: 0.8, val: 0, test: 0.2}",
+         command=("search",)),
+    case("personalized-algorithm-nothing-personal-submit", NOTHING_PERSONAL, BASE, "personalization=none",
+         command=("submit",)),
+    case("personalized-algorithm-nothing-personal-schedule", NOTHING_PERSONAL, SEARCHABLE, "personalization=none",
+         *NIGHTLY, command=("schedule", "add")),
+    case("model-reads-other-inputs-run", "model.name='transformer': does not read", edit(model={"name": "transformer"}),
+         command=("run",)),
+    case("round-plan-past-memory-validate", "a round's batch plan", BASE, "stages.0.local.epochs=1e12"),
+    case("model-past-memory-run", "more than this machine's", BASE, "model.hidden=[9007199254740993]",
+         command=("run",)),  # counted after prepare, on the meta device
+    case("search-several-devices", "devices=2", SEARCHABLE, "devices=2", command=("search",)),  # refused by Search
+    case("submit-trials-without-search", "--trials=3: only search jobs have trials", BASE, "--trials", "3",
+         command=("submit",)),
+    case("submit-run-in-parallel", "--parallel=2: only a search runs in parallel", BASE, "--parallel", "2",
+         command=("submit",)),
+]
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[Path]:
+    """The cache entries datasets are built for in this test (Build.stage watched)."""
+    built: list[Path] = []
+    stage = Build.stage
+
+    def watched(self: Build, folder: Path) -> Any:
+        built.append(folder)
+        return stage(self, folder)
+
+    monkeypatch.setattr(Build, "stage", watched)
+    return built
+
+
+def stores(tmp: Path) -> dict[str, bytes]:
+    """Every file of the cache, the MLflow store and the platform database, with its bytes."""
+    return {name: data for name, data in snapshot(tmp).items()
+            if name.split("/")[0] in ("cache", "mlflow.db", "mlruns", "mlartifacts", "fedpilot.db")}
+
+
+@pytest.mark.parametrize(("spec", "command", "args", "expect", "escape", "file"), AFTER_BUILD)
+def test_a_refusal_once_the_data_is_built_leaves_the_stores_as_they_were(place, builds, spec, command, args, expect,
+                                                                         escape, file):
+    path = str(write(spec, place, file))
+    before = stores(place["tmp"])
+    code, output = cli(*command, path, *args)
+    check_output(code, output, expect)
+    assert builds, "refused before the dataset was built: not a case of this class"
+    assert stores(place["tmp"]) == before
+
+
+def test_compare_refused_once_the_data_is_built_leaves_the_stores_as_they_were(place, builds):
+    write(NOVEL_ALL, place)
+    comparison = write({"name": "held-out", "baseline": BASE["name"], "seeds": 1, "pipelines": ["pipeline.yaml"]},
+                       place, "set.yaml")
+    before = stores(place["tmp"])
+    code, output = cli("compare", str(comparison))
+    check_output(code, output, HOLDS_OUT_ALL)
+    assert builds and stores(place["tmp"]) == before
+
+
+# ---- paths from the environment or a flag that cannot be created --------------------------------------------
+
+SQLITE, FOLDER = "sqlite:////proc/fedpilot/store.db", "/proc/fedpilot/store"  # nothing can be created under /proc
+FILE, DIR, PIPE = "not a file fedpilot can write", "not a folder fedpilot can write", "pipeline.yaml"
+
+
+def path_case(name: str, environment: dict[str, str], args: tuple[str, ...], expect: str) -> Any:
+    return pytest.param(environment, args, expect, id=name)
+
+
+def everywhere(variable: str, value: str, problem: str, *commands: tuple[str, ...]) -> list[Any]:
+    """`variable`=`value` refused by each of `commands`, naming the variable, the value and the problem."""
+    return [path_case(f"{variable}:{' '.join(args[:2])}", {variable: value}, args, f"{variable}='{value}': {problem}")
+            for args in commands]
+
+
+PATHS = [
+    *everywhere("MLFLOW_TRACKING_URI", SQLITE, FILE, ("validate", PIPE), ("run", PIPE), ("search", PIPE),
+                ("compare", "set.yaml"), ("report", "abc"), ("worker", "--exit-when-idle")),
+    *everywhere("MLFLOW_TRACKING_URI", FOLDER, DIR, ("run", PIPE)),
+    *everywhere("FEDPILOT_DB", SQLITE, FILE, ("jobs",), ("submit", PIPE), ("schedule", "add", PIPE, *NIGHTLY),
+                ("search", PIPE)),
+    *everywhere("FEDPILOT_CACHE", FOLDER, DIR, ("validate", PIPE), ("run", PIPE), ("data", "describe", PIPE)),
+    *everywhere("FEDPILOT_CONFIGS", FOLDER, "no such folder", ("validate", PIPE)),
+    path_case("--db", {}, ("cancel", "1", "--db", SQLITE), f"--db='{SQLITE}': {FILE}"),
+    path_case("--storage", {}, ("search", PIPE, "--storage", SQLITE), f"--storage='{SQLITE}': {FILE}"),
+    path_case("--cache-dir", {}, ("search", PIPE, "--cache-dir", FOLDER), f"--cache-dir='{FOLDER}': {DIR}"),
+    path_case("--output", {}, ("report", "abc", "-o", "/proc/report.html"), f"--output='/proc/report.html': {FILE}"),
+    path_case("--result-file", {}, ("run", PIPE, "--result-file", "/proc/result.json"),
+              f"--result-file='/proc/result.json': {FILE}"),
+    path_case("--into", {}, ("new", "algorithm", "mine", "--into", FOLDER), f"--into='{FOLDER}': {DIR}"),
+]
+
+
+@pytest.mark.parametrize(("environment", "args", "expect"), PATHS)
+def test_a_path_that_cannot_be_created_is_named_before_any_work(place, monkeypatch, environment, args, expect):
+    write(SEARCHABLE, place)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    before = stores(place["tmp"])
+    code, output = cli(*args)
+    check_output(code, output, expect)
+    assert stores(place["tmp"]) == before and not Path(FOLDER).parent.exists()
+
+
+# ---- the benchmark scripts: argparse's one-line error before any work ---------------------------------------
+
+def bench_case(script: str, expect: str, *args: str) -> Any:
+    return pytest.param(script, args, expect, id=f"{script}:{' '.join(args)}")
+
+
+BENCH = [
+    bench_case("rehearsal.py", "argument --fraction: '0': must be > 0 and <= 1", "--fraction", "0"),
+    bench_case("rehearsal.py", "argument --fraction: '2': must be > 0 and <= 1", "--fraction", "2"),
+    bench_case("rehearsal.py", "argument --users: '-5': must be >= 1", "--users", "-5"),
+    bench_case("rehearsal.py", "argument --out: '/proc/fedpilot': not a folder fedpilot can write", "--out",
+               "/proc/fedpilot"),
+    bench_case("rehearsal.py", "argument --table: 'missing.json': no such file", "--table", "missing.json"),
+    bench_case("rehearsal.py", "argument --femnist-model: invalid choice: 'transformer'", "--femnist-model",
+               "transformer"),
+    bench_case("compare.py", "argument --warmup: 7 must be below --rounds (7)", "--warmup", "7"),
+    bench_case("compare.py", "argument --clients-per-round: 2000 is more than the 1000 clients", "--clients-per-round",
+               "2000"),
+    bench_case("compare.py", "argument --device: 'tpu': not a device", "--device", "tpu"),
+    bench_case("compare.py", "argument --json: 'missing/out.json': no such folder", "--json", "missing/out.json"),
+    bench_case("engine_throughput.py", "argument --gemm-gflops: 'nan': must be > 0", "--gemm-gflops", "nan"),
+    bench_case("first_step.py", "argument --clients: 'many' is not an integer", "--clients", "many"),
+    bench_case("first_step.py", "argument --device: 'cuda:99': ", "--device", "cuda:99"),
+    bench_case("scale.py", "argument --cohort: 5000 is more than the 1000 clients", "--cohort", "5000"),
+    bench_case("gpu/profile_round.py", "argument --precision: invalid choice: '16-mixed'", "--device", "cpu",
+               "--precision", "16-mixed"),
+    bench_case("gpu/check.py", "argument out: '/proc/fedpilot': not a folder fedpilot can write", "/proc/fedpilot"),
+    bench_case("gpu/check.py", "argument --minutes: '-1': must be > 0", "out", "--minutes", "-1"),
+    bench_case("gpu/wheelset.py", "argument report: 'missing.json': no such file", "missing.json", "--needed", "a",
+               "--node", "b"),
+    bench_case("gpu/wheelset.py", "argument --needed: 'a b': not a requirement", "report.json", "--needed", "a b",
+               "--node", "b"),
+    bench_case("contenders/plain_torch.py", "argument --workload: '{\"clients\": -1}': not a workload",
+               "--workload", '{"clients": -1}', "--out", "out.json"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), BENCH)
+def test_a_benchmark_script_refuses_a_bad_argument_before_any_work(tmp_path, script, args, expect):
+    (tmp_path / "report.json").write_text('{"install": []}')
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert done.returncode == 2 and len(errors) == 1 and expect in errors[0], done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime < 30  # imports, then the refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

@@ -3,10 +3,10 @@ random override lists go through `fedpilot validate`; a bounded sample of the in
 through `fedpilot run`, shrunk to tiny rounds.
 
 The properties (docs/testing.md): never a traceback, never a hang (each command runs under a time limit),
-exit 0 or 2; on 2 exactly one `error: ` line and nothing created (no MLflow run, stage cache entry, checkpoint
-or job row). A run may also end with 1, but only with a `stage '...' diverged` error (an extreme learning
-rate). The inputs come from a fixed seed (`derandomize`): a suite run tries the same inputs each time. The
-last test shows how many (a `FuzzReport` warning, in the warnings summary of `make test`).
+exit 0 or 2; on 2 exactly one `error: ` line and nothing created (no MLflow run, dataset or stage cache entry,
+checkpoint or job row). A run may also end with 1, but only with a `stage '...' diverged` error (an extreme
+learning rate). The inputs come from a fixed seed (`derandomize`): a suite run tries the same inputs each time.
+The last test shows how many (a `FuzzReport` warning, in the warnings summary of `make test`).
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def place(shared: Path, new_store: Callable[[Path], str]) -> Iterator[Path]:
 
 def created(folder: Path) -> list[str]:
     """What a refused input must not leave: MLflow runs, stage cache entries or checkpoints, job or schedule
-    rows."""
+    rows (and dataset entries: `built`)."""
     cache_dir = folder / "cache"
     found = [str(p) for part in ("stages", "runs") for p in (cache_dir / part).rglob("*") if p.is_file()]
     for db, tables in (("mlflow.db", ["runs"]), ("fedpilot.db", ["fedpilot_jobs", "fedpilot_schedules"])):
@@ -340,6 +340,11 @@ def created(folder: Path) -> list[str]:
                 found += [f"{db}:{t}" for t in known & set(tables)
                           if con.execute(f"select count(*) from {t}").fetchone()[0]]
     return found
+
+
+def built(folder: Path) -> list[str]:
+    """The entries of the dataset cache (shared by every example), temporary folders of builds included."""
+    return sorted(p.name for p in (folder / "cache" / "data").iterdir())
 
 
 def write(example: dict[str, Any], folder: Path) -> Path:
@@ -425,11 +430,13 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
 def validate(path: Path, overrides: list[str], folder: Path) -> bool:
     """`fedpilot validate` holds to its properties; returns whether the input may run here (exit 0 without a
     warning: `run` refuses the data this machine cannot reach, which validate only warns about)."""
+    datasets = built(folder)
     code, output = command("validate", VALIDATE_SECONDS, str(path), *overrides)
     check_clean(output)
     assert code in (0, 2), output
     assert code == 0 or len(error_lines(output)) == 1, output
     assert created(folder) == [], output  # validate builds the dataset and nothing else, whatever its answer
+    assert code == 0 or built(folder) == datasets, output  # and a refusal leaves no dataset in the cache
     return code == 0 and "warning: " not in output
 
 
@@ -471,13 +478,13 @@ def tiny(path: Path, overrides: list[str]) -> list[str]:
     return [*overrides, *shrink]
 
 
-def check_run(code: int, output: str, folder: Path) -> None:
-    """A run: finished (exit 0), refused (2: one error, nothing created) or diverged (1: one `stage '...'
-    diverged` error)."""
+def check_run(code: int, output: str, folder: Path, datasets: list[str]) -> None:
+    """A run: finished (exit 0), refused (2: one error, nothing created; the dataset entries still `datasets`) or
+    diverged (1: one `stage '...' diverged` error)."""
     check_clean(output)
     assert code in (0, 1, 2), output
     if code == 2:
-        assert len(error_lines(output)) == 1 and created(folder) == [], output
+        assert len(error_lines(output)) == 1 and created(folder) == [] and built(folder) == datasets, output
     if code == 1:
         errors = error_lines(output)
         assert len(errors) == 1 and " diverged at round " in errors[0], output
@@ -495,8 +502,9 @@ def test_a_sample_that_validates_runs_tiny_without_a_traceback(shared, new_mlflo
             assume(validate(path, example["overrides"], folder))
             overrides = tiny(path, example["overrides"])
             assume(validate(path, overrides, folder))
+            datasets = built(folder)
             code, output = command("run", RUN_SECONDS, str(path), "--no-progress", *overrides)
-            check_run(code, output, folder)
+            check_run(code, output, folder, datasets)
 
     run_one()
     FINISHED.add("run part")

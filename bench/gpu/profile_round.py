@@ -14,14 +14,20 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contenders"))
-from fedpilot_engine import quiet_trainer, stage_for  # noqa: E402  (it puts bench/ on the path too)
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH / "contenders")]
+from arguments import COUNT, WARMUP, device_name  # noqa: E402
+from fedpilot_engine import quiet_trainer, stage_for  # noqa: E402
 from workload import WORKLOADS, write_data  # noqa: E402
+
+from fedpilot.engine.accel import AUTO, EXECUTORS  # noqa: E402
+from fedpilot.engine.config import StageConfig  # noqa: E402
 
 
 class ProfileRound(L.Callback):
@@ -58,14 +64,19 @@ def device_seconds(events) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device_name, default="cuda")
     parser.add_argument("--model", choices=sorted(WORKLOADS), default="cnn")
-    parser.add_argument("--clients-per-round", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=2, help="rounds run before the profiled one")
-    parser.add_argument("--execution", default="auto")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--clients-per-round", type=COUNT, default=1000)
+    parser.add_argument("--warmup", type=WARMUP, default=2, help="rounds run before the profiled one")
+    parser.add_argument("--execution", default="auto", choices=[AUTO, *EXECUTORS])
+    parser.add_argument("--precision", default="32-true",
+                        choices=get_args(StageConfig.model_fields["precision"].annotation))
+    parser.add_argument("--rows", type=COUNT, default=20)
     args = parser.parse_args()
+    clients = WORKLOADS[args.model].clients
+    if args.clients_per_round > clients:
+        parser.error(f"argument --clients-per-round: {args.clients_per_round} is more than the workload's {clients} "
+                     "clients")
     device = torch.device(args.device)
     work = dataclasses.replace(WORKLOADS[args.model], clients_per_round=args.clients_per_round)
     write_data(work)

@@ -18,9 +18,12 @@ from collections import deque
 from pathlib import Path
 
 try:
-    from packaging.requirements import Requirement
+    from packaging.requirements import InvalidRequirement, Requirement
 except ImportError:  # pip vendors it
-    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from arguments import input_file  # noqa: E402  (standard library only)
 
 PYTHON = "3.12"  # the node's Python
 
@@ -66,13 +69,34 @@ def reach(start: list[str], requires: dict[str, list[Requirement]], stop: set[st
     return found
 
 
+def pip_report(text: str) -> dict:
+    """An argparse type: the JSON report of `pip install --dry-run --report`."""
+    try:
+        report = json.loads(input_file(text).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a JSON file ({err})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("install"), list):
+        raise argparse.ArgumentTypeError(f"{text!r}: not pip's --report (no `install` list)")
+    return report
+
+
+def requirement(text: str) -> str:
+    """An argparse type: a requirement (`name`, `name[extra]`, `name>=1.0`)."""
+    try:
+        Requirement(text)
+    except InvalidRequirement as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a requirement ({str(err).splitlines()[0]})") from None
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("report", type=Path)
-    parser.add_argument("--needed", nargs="+", required=True, help="what fedpilot (and the check's tests) require")
-    parser.add_argument("--node", nargs="+", required=True, help="what the node has installed")
+    parser.add_argument("report", type=pip_report, help="pip's --report JSON")
+    parser.add_argument("--needed", type=requirement, nargs="+", required=True,
+                        help="what fedpilot (and the check's tests) require")
+    parser.add_argument("--node", type=requirement, nargs="+", required=True, help="what the node has installed")
     args = parser.parse_args()
-    versions, requires = graph(json.loads(args.report.read_text()))
+    versions, requires = graph(args.report)
     needed = {canonical(Requirement(s).name) for s in args.needed}
     # the node's packages and what they reach, except through a package fedpilot requires itself: that one is
     # shipped at the resolved version, with its own dependencies (a node's older typer may not bring pydantic)

@@ -10,6 +10,7 @@ from pathlib import Path
 from string import Template
 
 from fedpilot.errors import SpecError
+from fedpilot.settings import check_folder
 
 TEMPLATES = Path(__file__).parent / "templates"
 NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
@@ -31,7 +32,7 @@ def builtin_names(kind: str) -> list[str]:
 
 def write_plugin(kind: str, name: str, into: Path) -> Path:
     """Write the plugin package `fedpilot-NAME` of `kind` under `into`; its folder. A SpecError for a name that is not
-    a lowercase identifier or is a built-in's, or a folder that exists."""
+    a lowercase identifier or is a built-in's, a folder that exists, or `into` where fedpilot cannot write."""
     if not NAME.match(name):
         raise SpecError("NAME", name, "must be a lowercase Python identifier: a-z, then a-z, 0-9 or _ (<= 48)")
     if name in builtin_names(kind):
@@ -42,6 +43,7 @@ def write_plugin(kind: str, name: str, into: Path) -> Path:
     root = into / values["dist"]
     if root.exists():
         raise SpecError("--into", str(root), "already exists: choose another folder or name")
+    check_folder("--into", str(into), into)
     files = {"pyproject.toml": "pyproject.toml", "README.md": "README.md",
              f"{values['package']}/__init__.py": f"{kind}/module.py", f"pipelines/{name}.yaml": f"{kind}/pipeline.yaml",
              f"tests/test_{name}.py": f"{kind}/test_module.py"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from importlib import resources
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -205,8 +206,10 @@ def check_file(key: str, value: str, path: Path, create_folder: bool) -> None:
     if path.is_dir():
         raise SpecError(key, value, "is a folder, not a file")
     if path.exists():
-        if not os.access(path, os.W_OK):
-            raise SpecError(key, value, "is not writable")
+        try:  # opened, not os.access: that answers yes to root for files nothing can write (under /proc)
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a FIFO without a reader does not wait
+        except OSError as err:
+            raise SpecError(key, value, f"is not writable ({err.strerror})") from None
         return
     if not create_folder and not path.parent.is_dir():
         raise SpecError(key, value, f"no such folder: {path.parent}")
@@ -216,13 +219,15 @@ def check_file(key: str, value: str, path: Path, create_folder: bool) -> None:
 
 
 def _blocked(folder: Path) -> str | None:
-    """Why `folder` (absolute) cannot be written in or created: itself or its first existing parent is a file, or is
-    not writable; None when it can."""
+    """Why `folder` (absolute) cannot be written in or created: itself or its first existing parent is a file, or a
+    folder cannot be created in that one; None when it can."""
     found = next(p for p in (folder, *folder.parents) if p.exists())
     if not found.is_dir():
         return f"{found} is a file"
-    if not os.access(found, os.W_OK | os.X_OK):
-        return f"{found} is not writable"
+    try:  # tried, then removed: os.access answers yes to root where nothing can be created (under /proc, /sys)
+        os.rmdir(tempfile.mkdtemp(dir=found, prefix=".fedpilot-probe-"))
+    except OSError as err:
+        return f"cannot create a folder in {found} ({err.strerror})"
     return None
 
 

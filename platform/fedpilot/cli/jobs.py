@@ -99,6 +99,7 @@ def submit(
     """Validate a pipeline and queue it as a job (its resolved spec is frozen now), or with `--to slurm` submit it
     to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
     print the job ids (alone on stdout, for scripts)."""
+    from fedpilot.data.federated import staging
     from fedpilot.jobs.backend import QUEUE, backend
     from fedpilot.jobs.queue import job_fields
     from fedpilot.settings import platform_db
@@ -107,8 +108,9 @@ def submit(
         target = backend(to)
         within("--parallel", parallel, 1, PARALLEL_MAX)
         platform_db(db)  # checked before the pipeline's data is built; the job is stored once the pipeline passed
-        fields = job_fields(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
-        ids = send(fields, target, slurm_flags(partition, gpus, cpus, mem, time, account, qos), parallel, db)
+        with staging():  # a new dataset becomes a cache entry once the job is sent
+            fields = job_fields(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
+            ids = send(fields, target, slurm_flags(partition, gpus, cpus, mem, time, account, qos), parallel, db)
     except SpecError as err:
         fail(err)
     what = (f"a search bringing study {fields['study']} to {fields['trials']} trials" if search else "a run") + \
@@ -265,6 +267,7 @@ def schedule_add(
 ) -> None:
     """Schedule a pipeline's search (it needs a `search:` block): every firing adds --trials trials. With `--to
     slurm` each firing is submitted to Slurm (`--parallel` trial workers as a job array)."""
+    from fedpilot.data.federated import staging
     from fedpilot.jobs.backend import QUEUE, SlurmBackend, backend, configured
     from fedpilot.jobs.schedule import first_firings, plan, store
     from fedpilot.jobs.slurm import record
@@ -283,8 +286,9 @@ def schedule_add(
         target = configured(target, spec.resolved(), flags)
         if isinstance(target, SlurmBackend):
             schedule.backend, schedule.slurm = target.name, record(target.options, parallel)
-        prepare(spec, root, here=target.here)  # every check a firing's search makes, before storing
-        store(_database(db), schedule)
+        with staging():  # a new dataset becomes a cache entry once the schedule is stored
+            prepare(spec, root, here=target.here)  # every check a firing's search makes, before storing
+            store(_database(db), schedule)
     except SpecError as err:
         fail(err)
     typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC){' on Slurm' if schedule.backend else ''}; "

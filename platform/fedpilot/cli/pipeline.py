@@ -185,6 +185,7 @@ def search(
 ) -> None:
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
     `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
+    from fedpilot.data.federated import staging
     from fedpilot.names import check_name
     from fedpilot.pipeline.checks import prepare
     from fedpilot.settings import SQL_INT_MAX, check_cache, check_output, check_tracking, platform_db
@@ -210,14 +211,15 @@ def search(
         if spec.search is None:
             raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
         check_tracking(spec.tracking.uri, reach=True)
-        prepare(spec, root)  # every input check before the study and its MLflow run exist
-        # torch, Lightning and MLflow load once every input is checked
-        from fedpilot.pipeline.progress import quiet_lightning
-        from fedpilot.tuning import Search, quiet_optuna
+        with staging():  # a new dataset becomes a cache entry once the study and its MLflow run exist
+            prepare(spec, root)  # every input check before the study and its MLflow run exist
+            # torch, Lightning and MLflow load once every input is checked
+            from fedpilot.pipeline.progress import quiet_lightning
+            from fedpilot.tuning import Search, quiet_optuna
 
-        quiet_lightning()
-        quiet_optuna()
-        runner = Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
+            quiet_lightning()
+            quiet_optuna()
+            runner = Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
@@ -237,6 +239,7 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     """`fedpilot search --to slurm|queue`: the search as `parallel` jobs on one study (a Slurm job array, or queued
     for fedpilot workers); prints their job ids."""
     from fedpilot.cli.jobs import send
+    from fedpilot.data.federated import staging
     from fedpilot.jobs.backend import backend
     from fedpilot.jobs.queue import job_fields
     from fedpilot.names import check_name
@@ -248,10 +251,11 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
                             "or --to queue (jobs for fedpilot workers)")
         target = backend(to)
         platform_db(storage, "--storage")  # checked before the pipeline's data is built
-        fields = job_fields(pipeline, overrides or [], True, trials, here=target.here, unreachable=unreachable)
-        if study is not None:
-            fields["study"] = check_name("--study", study)
-        ids = send(fields, target, flags, parallel, storage, "--storage")
+        with staging():  # a new dataset becomes a cache entry once the jobs are sent
+            fields = job_fields(pipeline, overrides or [], True, trials, here=target.here, unreachable=unreachable)
+            if study is not None:
+                fields["study"] = check_name("--study", study)
+            ids = send(fields, target, flags, parallel, storage, "--storage")
     except SpecError as err:
         fail(err)
     typer.echo(" ".join(map(str, ids)))

@@ -3,7 +3,8 @@
 A cache entry is a folder <cache>/data/<fingerprint>/ with x.npy (and y.npy), index.npz (per-split offsets and
 sizes), meta.json, summary.json and, for text, tokenizer.json. Loading memory-maps the arrays, so a dataset
 costs the memory of the pages the engine touches, and building holds one copy of the stored rows (images as
-uint8, never a float copy of the whole set).
+uint8, never a float copy of the whole set). A new build stays in a temporary folder until the checks of the
+command that built it have passed (`staging`): a refused command leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ MIN_STD = 1e-6  # a constant feature or channel is centred, not divided by 0
 ENCODE_CHUNK = 1 << 16  # texts tokenized at a time (one progress step)
 Progress = Callable[[str, int, int], None]  # (what the build is doing, steps done, steps in all)
 _progress: ContextVar[Progress | None] = ContextVar("build_progress", default=None)
+_staged: ContextVar[dict[Path, Staged] | None] = ContextVar("staged_builds", default=None)
 
 
 @contextmanager
@@ -140,23 +143,74 @@ def default_cache_dir() -> Path:
 
 
 def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = None) -> FederatedData:
-    """The federated dataset of `spec` (with spec.seed, else `seed`), loaded from the cache when built before."""
+    """The federated dataset of `spec` (with spec.seed, else `seed`), loaded from the cache when built before; a new
+    build becomes a cache entry when the `staging` block around it ends (at once outside one)."""
     seed = spec.seed if spec.seed is not None else seed
     key = fingerprint(spec, seed)
-    root = Path(cache_dir or default_cache_dir())
-    folder = root / key
+    folder = Path(cache_dir or default_cache_dir()) / key
     if (folder / "meta.json").is_file():
         return load(folder, cache_hit=True)
-    remove_abandoned(folder)
-    built = Build(spec, seed, key, root.parent / "downloads")
-    built.save(folder)
-    return load(folder)
+    with staging() as staged:
+        if folder not in staged:
+            remove_abandoned(folder)
+            staged[folder] = Build(spec, seed, key, folder.parent.parent / "downloads").stage(folder)
+        return staged[folder].data
+
+
+@dataclass(eq=False)
+class Staged:
+    """A build written into the temporary folder `tmp` beside its cache entry `folder`, loaded from there until it
+    is published; `made`: the cache folders created for it (deepest first), removed again when it is discarded."""
+
+    tmp: Path
+    folder: Path
+    made: list[Path]
+    data: FederatedData | None = None
+
+    def publish(self) -> None:
+        """`tmp` renamed into place (a concurrent build of the same key wins or loses whole: the same arrays), and
+        the data's arrays mapped from there (views taken before keep the files they map)."""
+        try:
+            os.replace(self.tmp, self.folder)
+        except OSError:  # another process built it first
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        published = load(self.folder)
+        self.data.x, self.data.y, self.data.folder = published.x, published.y, self.folder
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for folder in self.made:
+            with suppress(OSError):  # not empty: another build's entry is in it now
+                folder.rmdir()
+
+
+@contextmanager
+def staging() -> Iterator[dict[Path, Staged]]:
+    """Datasets built inside the block (by entry folder) become cache entries when it ends without an error; on an
+    error they are deleted with the cache folders made for them, so a command refused after building its data
+    leaves the cache as it was. A block inside another one belongs to the outer block."""
+    outer = _staged.get()
+    if outer is not None:
+        yield outer
+        return
+    staged: dict[Path, Staged] = {}
+    token = _staged.set(staged)
+    try:
+        yield staged
+    except BaseException:
+        for entry in staged.values():
+            entry.discard()
+        raise
+    finally:
+        _staged.reset(token)
+    for entry in staged.values():
+        entry.publish()
 
 
 def remove_abandoned(folder: Path) -> None:
     """Delete what builds of this entry left when they were killed (kill -9, a power cut): their temporary
     folders (.<key>.<pid>.tmp of a process that is gone) and an entry folder without meta.json (never written by
-    `save`, which renames a complete folder into place; a copy or an older version may leave one)."""
+    `Staged.publish`, which renames a complete folder into place; a copy or an older version may leave one)."""
     for tmp in folder.parent.glob(f".{folder.name}.*.tmp"):
         pid = tmp.name.split(".")[-2]
         if not pid.isdigit() or not _alive(int(pid)):
@@ -199,7 +253,7 @@ def mapped(path: Path) -> np.memmap:
 
 class Build:
     """Load a source, check it against the task, partition it, split each client, tokenize text, and lay the
-    samples out client-major (`save` writes the cache entry atomically)."""
+    samples out client-major (`stage` writes the cache entry, `Staged.publish` renames it into place)."""
 
     def __init__(self, spec: DatasetSpec, seed: int, key: str, downloads: Path):
         self.spec, self.key, self.tokenizer = spec, key, None
@@ -322,22 +376,21 @@ class Build:
                 self.meta.update(mean=[float(m) for m in mean], std=[float(s) for s in std])
         self.meta["augment"] = [a.model_dump() for a in self.spec.augment if a.kind != "normalize"]
 
-    def save(self, folder: Path) -> None:
-        """The cache entry, written into a temporary folder then renamed (a concurrent build of the same key wins
-        or loses whole; a killed build leaves only its temporary folder, which `remove_abandoned` deletes)."""
+    def stage(self, folder: Path) -> Staged:
+        """The cache entry `folder`, written into a temporary folder beside it (a killed build leaves only that,
+        which `remove_abandoned` deletes) and loaded from there; `staging` publishes it."""
+        made = list(takewhile(lambda p: not p.exists(), (folder.parent, *folder.parent.parents)))
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        staged = Staged(folder.with_name(f".{folder.name}.{os.getpid()}.tmp"), folder, made)
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+        staged.tmp.mkdir()
         try:
-            self._write(tmp)
+            self._write(staged.tmp)
+            staged.data = load(staged.tmp)
         except BaseException:  # Ctrl+C, a full disk: no half-written folder stays behind
-            shutil.rmtree(tmp, ignore_errors=True)
+            staged.discard()
             raise
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
+        return staged
 
     def _write(self, tmp: Path) -> None:
         """The entry's files; meta.json, what marks an entry complete, after the arrays."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedpilot.algorithms import build_algorithm
-from fedpilot.data.federated import FederatedData, build_federated_data
+from fedpilot.data.federated import FederatedData, build_federated_data, staging
 from fedpilot.engine.protocol import Algorithm, Part
 from fedpilot.errors import SpecError, check_memory
 from fedpilot.metric_names import NOVEL, recorded_metrics
@@ -352,18 +352,21 @@ def check_round_plans(spec: PipelineSpec, data: FederatedData) -> None:
 def prepare(spec: PipelineSpec, root: Path, here: bool = True) -> Prepared:
     """Build what a pipeline needs and run every check that can fail on the user's input (data, model options,
     cohort sizes, algorithms, devices, personalization), before any run is created. `fedpilot validate` and
-    `fedpilot run` both call it; `root` is the cache root (the dataset is cached under root/data). With `here` off
-    (a pipeline submitted to a cluster) the devices it asks for need not exist on this machine."""
+    `fedpilot run` both call it; `root` is the cache root (a new dataset becomes a cache entry under root/data once
+    every check passed, or when the `staging` block around the call ends). With `here` off (a pipeline submitted to
+    a cluster) the devices it asks for need not exist on this machine."""
     if here and spec.device == "cuda":
         resolve_device(spec.device)
-    data = build_federated_data(spec.dataset, spec.seed, root / "data")
-    check_cohorts(spec, data.n_clients)
-    check_objectives_have_data(spec, data)
-    check_round_plans(spec, data)
-    check_model_fits(spec, data)
-    algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm") for i, s in enumerate(spec.stages)]
-    prepared = Prepared(spec, data, algorithms, here)
-    several = spec.devices > 1 or spec.nodes > 1
-    check_devices(spec, prepared.device if here and several else None, algorithms, here)
-    check_personal_parts(spec, prepared)
+    with staging():  # the dataset becomes a cache entry once every check below has passed
+        data = build_federated_data(spec.dataset, spec.seed, root / "data")
+        check_cohorts(spec, data.n_clients)
+        check_objectives_have_data(spec, data)
+        check_round_plans(spec, data)
+        check_model_fits(spec, data)
+        algorithms = [build_algorithm(s.algorithm, s.params, f"stages.{i}.algorithm")
+                      for i, s in enumerate(spec.stages)]
+        prepared = Prepared(spec, data, algorithms, here)
+        several = spec.devices > 1 or spec.nodes > 1
+        check_devices(spec, prepared.device if here and several else None, algorithms, here)
+        check_personal_parts(spec, prepared)
     return prepared

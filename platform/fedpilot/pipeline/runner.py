@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from fedpilot.data.federated import staging
 from fedpilot.data.summary import describe
 from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
@@ -69,10 +70,11 @@ class PipelineRunner:
         self.spec, self.progress, self.use_cache = spec, progress, use_cache
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
-        prepared = prepare(spec, self.root)  # every input check, before any run is created
-        self.data, self.tensors, self.task = prepared.data, prepared.tensors, prepared.task
-        self.participants, self.novel, self.novel_tensors = prepared.participants, prepared.novel, prepared.novel_tensors
-        self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
+        with staging():  # every input check, before any run is created; the model's memory is one of them
+            prepared = prepare(spec, self.root)
+            self.data, self.tensors, self.task = prepared.data, prepared.tensors, prepared.task
+            self.participants, self.novel, self.novel_tensors = prepared.participants, prepared.novel, prepared.novel_tensors
+            self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks = extra_callbacks or (lambda round_offset: [])

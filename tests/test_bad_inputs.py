@@ -661,9 +661,11 @@ def test_a_refusal_once_the_data_is_built_leaves_the_stores_as_they_were(place, 
 
 
 def test_compare_refused_once_the_data_is_built_leaves_the_stores_as_they_were(place, builds):
+    """The set's first pipeline passes (its dataset built), its second is refused: neither dataset stays."""
+    write({**BASE, "name": "first"}, place, "first.yaml")
     write(NOVEL_ALL, place)
-    comparison = write({"name": "held-out", "baseline": BASE["name"], "seeds": 1, "pipelines": ["pipeline.yaml"]},
-                       place, "set.yaml")
+    comparison = write({"name": "held-out", "baseline": BASE["name"], "seeds": 1,
+                        "pipelines": ["first.yaml", "pipeline.yaml"]}, place, "set.yaml")
     before = stores(place["tmp"])
     code, output = cli("compare", str(comparison))
     check_output(code, output, HOLDS_OUT_ALL)

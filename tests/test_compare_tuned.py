@@ -79,6 +79,7 @@ def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(
     written = [record_of(client, experiment, run_id, "other", "written", seed) for seed in (0, 1)]
     assert metrics["other.untuned.test_acc_mean.mean"] == pytest.approx(np.mean(written))
     assert "untuned test_acc_mean" in output and "tuning: one study per pipeline" in output
+    assert "the baseline is base, the set's first pipeline" in output  # the set names none
     page = Path(client.download_artifacts(run_id, "report.html", str(workdir))).read_text()
     for title in ("Paired difference with base", "Tuning: the best value against the trials",
                   "Tuning: what each study chose"):

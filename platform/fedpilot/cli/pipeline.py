@@ -290,6 +290,7 @@ def compare(
     baseline on each seed and the clients helped / hurt on every seed, what each study chose, and a report
     (report.html); ends with run_id. Stopped or killed, the same command (or --resume RUN_ID) goes on from what is
     done; --to queue|slurm --parallel N leaves the work to N jobs."""
+    from fedpilot.data.federated import staging
     from fedpilot.settings import SQL_INT_MAX, check_output, platform_db
 
     try:
@@ -299,15 +300,16 @@ def compare(
         within("--parallel", parallel, 1, PARALLEL_MAX)
         storage_url, _ = platform_db(storage, "--storage")
         target = _elsewhere(to, parallel)
-        plan, root = _comparison_plan(set_file, overrides or [], seeds, tune, untuned, resume, cache_dir)
+        with staging():  # new datasets become cache entries once every pipeline passed (and the jobs are sent)
+            plan, root = _comparison_plan(set_file, overrides or [], seeds, tune, untuned, resume, cache_dir)
+            if target is not None:
+                _send_comparison(plan, resume, target, parallel, storage, slurm_flags(partition, gpus, cpus, mem,
+                                                                                      time, account, qos))
+                return
     except SpecError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
-    if target is None:
-        _compare_here(plan, root, resume, storage_url, progress, heartbeat_seconds, result_file)
-    else:
-        _send_comparison(plan, resume, target, parallel, storage, slurm_flags(partition, gpus, cpus, mem, time,
-                                                                              account, qos))
+    _compare_here(plan, root, resume, storage_url, progress, heartbeat_seconds, result_file)
 
 
 def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, progress: bool, heartbeat: int,
@@ -371,10 +373,10 @@ def _send_comparison(plan: Any, resume: str | None, target: Any, parallel: int, 
     fields = {"kind": "compare", "pipeline": plan.comparison.name, "spec": json.dumps(spec), "run_id": run_id}
     try:
         ids = send(fields, target, flags, parallel, storage, "--storage")
-    except SpecError as err:
+    except SpecError:
         if resume is None:
             tracker.client.delete_run(run_id)
-        fail(err)
+        raise
     typer.echo(f"comparison {plan.comparison.name}: run {run_id}, {len(ids)} job(s) on {target.name} share its work; "
                f"the last to finish records the table ({program()} compare --resume {run_id} shows it, or does what "
                "is left)", err=True)

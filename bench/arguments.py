@@ -86,11 +86,11 @@ def output_folder(text: str) -> Path:
 
 def _checked(text: str, check: Callable[[Path], None]) -> Path:
     """`text` as a path that passed fedpilot's `check`, else argparse's error with the check's words."""
-    from fedpilot.errors import SpecError
+    from fedpilot.errors import UserError
 
     try:
         check(Path(text))
-    except SpecError as err:
+    except UserError as err:
         raise argparse.ArgumentTypeError(f"{text!r}: {err.problem}") from None
     return Path(text)
 

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from fedpilot.data.federated import Build
-from fedpilot.errors import SpecError
+from fedpilot.errors import UserError
 from fedpilot.spec import (
     MAX_FILE_BYTES,
     MAX_OVERRIDE_CHARS,
@@ -570,7 +570,7 @@ def subprocess_cli(*args: str) -> tuple[int, str, float]:
 def test_alias_bomb_is_refused_by_the_real_entry_point_at_the_cost_of_an_ordinary_bad_override(place):
     path = write(BOMB, place)
     start = time.perf_counter()
-    with pytest.raises(SpecError, match="nodes"):
+    with pytest.raises(UserError, match="nodes"):
         compose_pipeline(path)
     assert time.perf_counter() - start < 1.0  # the check itself; the commands below mostly import torch
     code, output, ordinary = subprocess_cli("run", str(write(BASE, place, "base.yaml")), "=1")
@@ -624,7 +624,7 @@ AFTER_BUILD = [
     case("search-several-devices", "devices=2", SEARCHABLE, "devices=2", command=("search",)),  # refused by Search
     case("submit-trials-without-search", "--trials=3: only search jobs have trials", BASE, "--trials", "3",
          command=("submit",)),
-    case("submit-run-in-parallel", "--parallel=2: only a search runs in parallel", BASE, "--parallel", "2",
+    case("submit-run-in-parallel", "--parallel=2: only a search or a comparison runs in parallel", BASE, "--parallel", "2",
          command=("submit",)),
 ]
 

@@ -13,7 +13,7 @@ import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from fedpilot.db import Firing, Job, connect, session_factory
-from fedpilot.errors import SpecError
+from fedpilot.errors import UserError
 from fedpilot.jobs.schedule import (
     add,
     fire,
@@ -99,7 +99,7 @@ def test_pause_resume_and_remove(db_url, searchable):
     assert len(tick(engine, at(40))) == 1 and queued_searches(engine) == [(4, "s")]
     remove(engine, "s")
     assert list_schedules(engine) == [] and tick(engine, at(120)) == []
-    with pytest.raises(SpecError, match="NAME='s': no such schedule"):
+    with pytest.raises(UserError, match="NAME='s': no such schedule"):
         remove(engine, "s")
 
 
@@ -114,7 +114,7 @@ def test_latest_due_bisects_long_outages():
 @pytest.mark.parametrize("cron", ["61 * * * *", "not a cron"])
 def test_bad_cron_is_a_spec_error_and_exit_2(cron, searchable, tmp_path):
     engine = connect(f"sqlite:///{tmp_path}/p.db")
-    with pytest.raises(SpecError, match=r"^--cron="):
+    with pytest.raises(UserError, match=r"^--cron="):
         add(engine, searchable, [], cron, trials=1)
     code, output = cli("schedule", "add", str(searchable), "--cron", cron, "--trials", "1",
                        "--db", f"sqlite:///{tmp_path}/p.db")

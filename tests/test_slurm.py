@@ -278,7 +278,7 @@ def test_queue_workers_leave_slurm_jobs_alone(tmp_path):
 
 
 def test_slurm_options_come_from_the_environment_then_the_pipeline_then_the_flags(monkeypatch):
-    from fedpilot.errors import SpecError
+    from fedpilot.errors import UserError
     from fedpilot.jobs.slurm import options, parameters
 
     monkeypatch.setenv("FEDPILOT_SLURM", "partition=cpu account=lab time=1:00:00 qos=low")
@@ -293,10 +293,10 @@ def test_slurm_options_come_from_the_environment_then_the_pipeline_then_the_flag
     for env, flags, key in [("partition=a b=1", {}, "FEDPILOT_SLURM"), ("mem=lots", {}, "FEDPILOT_SLURM.mem"),
                             ("", {"time": "1:2:3:4"}, "--time"), ("", {"gpus": -1}, "--gpus")]:
         monkeypatch.setenv("FEDPILOT_SLURM", env)
-        with pytest.raises(SpecError) as err:
+        with pytest.raises(UserError) as err:
             options(None, flags)
         assert err.value.key == key, err.value
-    with pytest.raises(SpecError, match="one per GPU"):
+    with pytest.raises(UserError, match="one per GPU"):
         parameters({"devices": 4}, options(None, {"gpus": 2}), "x")
 
 

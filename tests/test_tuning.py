@@ -15,7 +15,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import UserError
 from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
 from fedpilot.tuning import PruneOnEvaluation, Search, make_pruner, make_sampler, quiet_optuna
@@ -54,7 +54,7 @@ def spec_with(search: dict) -> dict:
     ({**SEARCH, "spaces": {}}, r"search.spaces=\{\}: unknown key.*did you mean 'space'"),
 ])
 def test_bad_search_specs_name_the_key(search, message):
-    with pytest.raises(SpecError, match=message):
+    with pytest.raises(UserError, match=message):
         PipelineSpec.from_dict(spec_with(search))
 
 

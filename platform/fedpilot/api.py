@@ -12,7 +12,8 @@ public test helpers).
   annotations);
 - a dataset source: a `Source` (pydantic fields = its options) whose `load` returns `RawData`;
 - a task (not pluggable yet): `Task`, what the engine scores a model's outputs by (cohorts train with it);
-- `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2;
+- `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2 (a
+  `UserError`, the root of every error a user can fix);
 - `Tensors`: `dict[str, torch.Tensor]`, tensors by parameter name (parameters, gradients, masks, client state).
 
 Deprecated: `Params`, the old name of `Tensors`, kept for one release; it read like `Algorithm.Params` (`self.p`),
@@ -37,7 +38,7 @@ from fedpilot.engine.protocol import (
     Upload,
     step_size,
 )
-from fedpilot.errors import SpecError
+from fedpilot.errors import SpecError, UserError
 
 _LAZY = {
     "Cohort": "fedpilot.engine.cohort",  # the clients of a round as one value; its sgd and gradient
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     Params = Tensors  # deprecated: the old name of Tensors
 
 __all__ = ["PERSONAL_AND_SHARED", "Aggregator", "Algorithm", "AlgorithmParams", "Params", "ReducibleAggregator",
-           "RoundInfo", "SpecError", "StatefulParams", "Tensors", "Tunable", "Upload", "step_size",
+           "RoundInfo", "SpecError", "StatefulParams", "Tensors", "Tunable", "Upload", "UserError", "step_size",
            *_LAZY]
 
 

@@ -54,7 +54,7 @@ def engine_options(url: str) -> dict[str, Any]:
 
 
 def connect(url: str, key: str = "--db") -> Engine:
-    """The platform database (an SQLAlchemy Engine) with the `fedpilot_*` tables created; a bad URL is a SpecError
+    """The platform database (an SQLAlchemy Engine) with the `fedpilot_*` tables created; a bad URL is a SetupError
     and a database that cannot be opened a StoreUnavailable, on `key` (the option or variable that gave the URL)."""
     check_database(key, url)
     database = create_engine(url, **engine_options(url))

@@ -1,5 +1,8 @@
-"""Errors a user can fix: they name the bad key path, the bad value and what is allowed. Nothing here prints or
-exits: the CLI turns each error into its one-line message and exit code."""
+"""Errors a user can fix, under one root (UserError): they name the bad key path, argument or variable, the bad value
+and what is allowed. Its branches say where the fault is: a spec or an argument (SpecError), this machine's setup
+(SetupError), a recorded run (RunError), a search (SearchError), a job or schedule (JobError), the data (DataError).
+StageFailed is the other kind: a stage that cannot go on (exit code 1). Nothing here prints or exits: the CLI turns
+each error into its one-line message and exit code."""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ N = TypeVar("N", int, float)
 MAX_SHOWN = 200  # characters of a bad value shown in an error (a whole 10,000-item list is no help)
 
 
-class SpecError(ValueError):
-    """A bad value in a pipeline or dataset spec; the CLI prints it and exits with code 2."""
+class UserError(ValueError):
+    """The root of the errors a user can fix: each names the key, argument or variable at fault (`key`), its value
+    and the problem, with the allowed values where they are few; the CLI prints it in one line and exits with code 2.
+    (A ValueError, so that one raised inside a pydantic validator reaches its caller as it is.)"""
 
     def __init__(self, key: str, value: Any, problem: str, allowed: Iterable[Any] | None = None):
         self.key, self.value, self.problem = key, value, problem
@@ -32,6 +37,26 @@ class SpecError(ValueError):
         super().__init__(message)
 
 
+class SpecError(UserError):
+    """A bad value in a pipeline, a comparison set or a dataset spec, or in a command's argument."""
+
+
+class SetupError(UserError):
+    """This machine's setup: an environment variable, a path, a store or a service fedpilot cannot use."""
+
+
+class RunError(UserError):
+    """A recorded run a command names that it cannot use."""
+
+
+class SearchError(UserError):
+    """A search that cannot run as asked (no search block, several devices, a study with other directions)."""
+
+
+class DataError(UserError):
+    """Data that cannot be reached or read as its spec says."""
+
+
 def within(key: str, value: N | None, low: N, high: N) -> N | None:
     """`value` (None passes) when low <= value <= high, else a SpecError on `key`."""
     if value is not None and not low <= value <= high:
@@ -39,9 +64,7 @@ def within(key: str, value: N | None, low: N, high: N) -> N | None:
     return value
 
 
-# Domain errors. Each still names the argument at fault (`key=value: problem`) and ends a command with exit code 2,
-# so each is a SpecError (as DataUnavailable below is): code that catches SpecError keeps catching them.
-class JobError(SpecError):
+class JobError(UserError):
     """A job or schedule a command names that cannot be found, changed or started."""
 
 
@@ -78,11 +101,11 @@ class ScheduleExists(JobError):
     """A schedule with this name exists already."""
 
 
-class NoSuchRun(SpecError):
+class NoSuchRun(RunError):
     """The tracking store has no such MLflow run, or not one fedpilot can resume."""
 
 
-class StoreUnavailable(SpecError):
+class StoreUnavailable(SetupError):
     """A tracking store or database that cannot be opened."""
 
 
@@ -116,7 +139,7 @@ class Diverged(StageFailed):
                          "add local.clip_norm, or check the data")
 
 
-class DataUnavailable(SpecError):
+class DataUnavailable(DataError):
     """The pipeline's data cannot be reached from here (a hub dataset while offline, not in the local cache): the
     checks that need the data cannot run here. `validate` and `submit` warn and go on (the worker or cluster may
     reach it); `run` stops with exit code 2 before creating anything."""
@@ -141,7 +164,7 @@ def did_you_mean(value: Any, allowed: Iterable[Any]) -> str | None:
     return close[0] if close else None
 
 
-def from_validation(err: ValidationError, model: type[BaseModel], prefix: str = "") -> SpecError:
+def from_validation(err: ValidationError, model: type[BaseModel], prefix: str = "") -> UserError:
     """pydantic's first error (an unknown key before the `missing` it causes) as a SpecError naming its key path.
 
     Unknown keys list the keys allowed there, unknown `kind`s the kinds, literals their values; a SpecError
@@ -149,7 +172,7 @@ def from_validation(err: ValidationError, model: type[BaseModel], prefix: str = 
     """
     error = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
     cause = (error.get("ctx") or {}).get("error")
-    if isinstance(cause, SpecError):
+    if isinstance(cause, UserError):
         return cause
     owner, field_type, loc = _walk(model, error["loc"])
     key = ".".join([p for p in (prefix, *loc) if p != ""])

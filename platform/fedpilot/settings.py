@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import SetupError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_DB = "sqlite:///fedpilot.db"
@@ -78,7 +78,7 @@ def tracking_scheme(key: str, uri: str) -> str:
     elif len(scheme) == 1:  # a Windows path, C:\...
         scheme = ""
     if scheme not in TRACKING_SCHEMES and scheme not in _tracking_plugins():
-        raise SpecError(key, hidden(uri), "not a tracking store MLflow can open",
+        raise SetupError(key, hidden(uri), "not a tracking store MLflow can open",
                         allowed=["a folder", *(f"{s}:" for s in TRACKING_SCHEMES if s)])
     return scheme
 
@@ -96,13 +96,13 @@ def _check_server(key: str, uri: str) -> None:
     try:
         parts.port  # noqa: B018 (parsing the port is the check)
     except ValueError as err:
-        raise SpecError(key, hidden(uri), f"not a server's URL: {err}") from None
+        raise SetupError(key, hidden(uri), f"not a server's URL: {err}") from None
     if not parts.hostname:
-        raise SpecError(key, hidden(uri), "no host: a tracking server's URL is http(s)://HOST[:PORT]")
+        raise SetupError(key, hidden(uri), "no host: a tracking server's URL is http(s)://HOST[:PORT]")
     given = [name for name in CREDENTIALS if variable(name)]
     if len(given) == 1:
         missing = next(name for name in CREDENTIALS if name not in given)
-        raise SpecError(missing, None, f"{given[0]} is set without it: MLflow signs in to the tracking server with "
+        raise SetupError(missing, None, f"{given[0]} is set without it: MLflow signs in to the tracking server with "
                         "both or with neither")
 
 
@@ -120,7 +120,7 @@ def _reach_server(key: str, uri: str) -> None:
     except (URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         if not isinstance(reason, ssl.SSLError):
-            raise SpecError(key, hidden(uri), f"no tracking server answers there: {reason}") from None
+            raise SetupError(key, hidden(uri), f"no tracking server answers there: {reason}") from None
 
 
 def platform_db(cli_value: str | None, option: str = "--db") -> tuple[str, str]:
@@ -149,12 +149,12 @@ def check_database(key: str, url: str) -> None:
     try:
         dialect = make_url(url).get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as err:
-        raise SpecError(key, hidden(url), f"not a database SQLAlchemy can open (sqlite:///FILE, "
+        raise SetupError(key, hidden(url), f"not a database SQLAlchemy can open (sqlite:///FILE, "
                         f"postgresql://USER:PASSWORD@HOST/DB): {err}") from None
     try:
         dialect.import_dbapi()
     except ImportError as err:
-        raise SpecError(key, hidden(url), f"its driver is not installed ({err.name})") from None
+        raise SetupError(key, hidden(url), f"its driver is not installed ({err.name})") from None
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -196,7 +196,7 @@ def check_folder(key: str, value: str, path: Path) -> None:
     """`path` is a folder fedpilot can write in, or one it can create; else a SpecError on `key` showing `value`."""
     problem = _blocked(Path(path).absolute())
     if problem:
-        raise SpecError(key, value, f"not a folder fedpilot can write: {problem}")
+        raise SetupError(key, value, f"not a folder fedpilot can write: {problem}")
 
 
 def check_file(key: str, value: str, path: Path, create_folder: bool) -> None:
@@ -204,18 +204,18 @@ def check_file(key: str, value: str, path: Path, create_folder: bool) -> None:
     with `create_folder`, one fedpilot can create); else a SpecError on `key` showing `value` (passwords hidden)."""
     path, value = Path(path).absolute(), hidden(value)
     if path.is_dir():
-        raise SpecError(key, value, "is a folder, not a file")
+        raise SetupError(key, value, "is a folder, not a file")
     if path.exists():
         try:  # opened, not os.access: that answers yes to root for files nothing can write (under /proc)
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a FIFO without a reader does not wait
         except OSError as err:
-            raise SpecError(key, value, f"is not writable ({err.strerror})") from None
+            raise SetupError(key, value, f"is not writable ({err.strerror})") from None
         return
     if not create_folder and not path.parent.is_dir():
-        raise SpecError(key, value, f"no such folder: {path.parent}")
+        raise SetupError(key, value, f"no such folder: {path.parent}")
     problem = _blocked(path.parent)
     if problem:
-        raise SpecError(key, value, f"not a file fedpilot can write: {problem}")
+        raise SetupError(key, value, f"not a file fedpilot can write: {problem}")
 
 
 def _blocked(folder: Path) -> str | None:
@@ -238,10 +238,10 @@ def configs_dir() -> Path:
     if given:
         path = Path(given).resolve()
         if not path.is_dir():
-            raise SpecError("FEDPILOT_CONFIGS", given, "is a file, not a folder" if path.exists() else "no such folder")
+            raise SetupError("FEDPILOT_CONFIGS", given, "is a file, not a folder" if path.exists() else "no such folder")
         missing = [group for group in CONFIG_GROUPS if not (path / group).is_dir()]
         if missing:
-            raise SpecError("FEDPILOT_CONFIGS", given, f"has no {', '.join(missing)} folder: a configs tree has a "
+            raise SetupError("FEDPILOT_CONFIGS", given, f"has no {', '.join(missing)} folder: a configs tree has a "
                             "folder of .yaml files per config group (dataset/digits.yaml, model/mlp.yaml)")
         return path
     packaged = Path(str(resources.files("fedpilot"))) / "configs"

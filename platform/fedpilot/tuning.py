@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 
 from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.errors import Diverged, SpecError
+from fedpilot.errors import Diverged, SearchError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.report import log_report
@@ -169,9 +169,9 @@ class Search:
                  cache_dir: Path | None = None, heartbeat_seconds: int = 10,
                  echo: Callable[[str], None] = print, scope: StudyScope = StudyScope()):
         if spec.search is None:
-            raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
+            raise SearchError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
         if spec.devices > 1 or spec.nodes > 1:
-            raise SpecError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes), "a search trains its trials in this process: set devices: 1 "
+            raise SearchError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes), "a search trains its trials in this process: set devices: 1 "
                             "(start more workers for trials in parallel)")
         self.spec, self.search, self.cache_dir, self.echo, self.scope = spec, spec.search, cache_dir, echo, scope
         self.trials = trials or self.search.trials
@@ -186,7 +186,7 @@ class Search:
                                              pruner=make_pruner(spec, self.trials), directions=directions, load_if_exists=True)
             self.lease = NamedLease(storage_url, self.study_name)
         if [d.name.lower() for d in self.study.directions] != directions:
-            raise SpecError("search.objective", directions, f"study {self.study_name!r} exists with directions "
+            raise SearchError("search.objective", directions, f"study {self.study_name!r} exists with directions "
                             f"{[d.name.lower() for d in self.study.directions]}; use another --study name")
         self.study.set_metric_names([o.metric for o in self.search.objective])  # Optuna's dashboard shows them
         for key, value in scope.attrs.items():

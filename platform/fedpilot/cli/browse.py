@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli.common import PORT, fail
-from fedpilot.errors import SpecError, within
+from fedpilot.errors import UserError, within
 
 
 def report(
@@ -26,7 +26,7 @@ def report(
     try:
         uri = check_tracking(reach=True)
         check_output("--output", output)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     from mlflow import MlflowClient
 
@@ -36,7 +36,7 @@ def report(
     quiet_mlflow()
     try:
         page = build(MlflowClient(uri), run_ids)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     output.write_text(page)
     typer.echo(f"report of {len(run_ids)} run{'s' if len(run_ids) != 1 else ''}: {output.resolve()}")
@@ -54,7 +54,7 @@ def ui(
     try:
         within("--port", port, *PORT)
         uri = check_tracking()
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     if uri.startswith(("http://", "https://")):
         typer.echo(f"the tracking store is a server: open {uri} in a browser")

@@ -55,7 +55,7 @@ PORT = (1, 65_535)  # a TCP port
 
 def exit_code(err: Exception) -> int:
     """How an error ends a command: 1 for a stage that failed (StageFailed), 2 for anything the user can fix
-    (SpecError and its domain errors: a missing job, a refused submission, an unknown run)."""
+    (UserError: a bad spec or argument, this machine's setup, a missing job or run, a refused submission)."""
     return 1 if isinstance(err, StageFailed) else 2
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli.common import Overrides, Pipeline, fail, print_json
-from fedpilot.errors import SpecError
+from fedpilot.errors import SpecError, UserError
 
 data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
 
@@ -76,7 +76,7 @@ def data_describe(
         with build_progress():
             data = build_federated_data(spec, seed=seed, cache_dir=cache_dir)
         seconds = time.perf_counter() - start
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     summary = {**describe(data), "cache_hit": data.cache_hit, "build_seconds": round(seconds, 3)}
     if as_json:

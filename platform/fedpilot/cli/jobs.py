@@ -29,7 +29,7 @@ from fedpilot.cli.common import (
     slurm_flags,
     unreachable,
 )
-from fedpilot.errors import SpecError, within
+from fedpilot.errors import SpecError, UserError, within
 from fedpilot.settings import SQL_INT_MAX
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def submit(
         with staging():  # a new dataset becomes a cache entry once the job is sent
             fields = job_fields(pipeline, overrides or [], search, trials, here=target.here, unreachable=unreachable)
             ids = send(fields, target, slurm_flags(partition, gpus, cpus, mem, time, account, qos), parallel, db)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     what = (f"a search bringing study {fields['study']} to {fields['trials']} trials" if search else "a run") + \
         f" of pipeline {fields['pipeline']}" + ("" if target.name == QUEUE else " on Slurm")
@@ -138,7 +138,7 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
     try:
         database = _database(db)
         rows = list_jobs(database)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     extra: list[str] = []
     for name in sorted({r["backend"] for r in rows}):
@@ -160,7 +160,7 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
         database = _database(db)
         row = show_job(database, job_id)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     place = backend(row["backend"])
     place.refresh(database, [row])
@@ -192,7 +192,7 @@ def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot subm
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
         database = _database(db)
         status = backend(backend_name(database, job_id)).cancel(database, job_id)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     typer.echo(f"job {job_id}: {status}")
 
@@ -223,7 +223,7 @@ def worker(
         check_tracking(reach=True)  # what the jobs' runs record to, and their cache
         check_cache()
         database = connect(url, key)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     ran = work(database, url, name=name or default_worker_name(), poll_seconds=poll_seconds,
                heartbeat_seconds=heartbeat_seconds, grace_seconds=grace_seconds, exit_when_idle=exit_when_idle)
@@ -244,7 +244,7 @@ def scheduler(
         within("--poll-seconds", poll_seconds, 0.01, PERIOD_MAX_S)
         check_cache()  # a schedule --to slurm writes its jobs' logs there
         database = _database(db)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     _log(f"scheduler started: {watching(database)}; looking every {poll_seconds:g} s" + (", once" if once else ""))
     queued = serve(database, once=once, poll_seconds=poll_seconds, log=_log)  # a Slurm schedule's jobs go to Slurm
@@ -289,7 +289,7 @@ def schedule_add(
         with staging():  # a new dataset becomes a cache entry once the schedule is stored
             prepare(spec, root, here=target.here)  # every check a firing's search makes, before storing
             store(_database(db), schedule)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     typer.echo(f"schedule {schedule.name}: {schedule.cron} (UTC){' on Slurm' if schedule.backend else ''}; "
                f"firing k brings study {schedule.study} to k x {schedule.trials} trials\n"
@@ -310,7 +310,7 @@ def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
 
     try:
         rows = list_schedules(_database(db))
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     _print_rows(rows, as_json, ["name", "pipeline", "cron", "trials", "study", "to", "paused", "firings",
                                 "next_fire_time"])
@@ -326,7 +326,7 @@ def _change(name: str, db: str | None, action: str) -> None:
             remove(database, name)
         else:
             set_paused(database, name, action == "paused")
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     typer.echo(f"schedule {name}: {action}")
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from fedpilot.cli.common import fail
-from fedpilot.errors import SpecError
+from fedpilot.errors import UserError
 
 new_app = typer.Typer(help="Write a ready plugin package: an algorithm, a model or a dataset source of your own.",
                       no_args_is_help=True)
@@ -21,7 +21,7 @@ def _new(kind: str, name: str, into: Path) -> None:
 
     try:
         root = write_plugin(kind, name, into)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         typer.echo(f"wrote {path}")

@@ -30,7 +30,7 @@ from fedpilot.cli.common import (
     slurm_flags,
     unreachable,
 )
-from fedpilot.errors import SpecError, StageFailed, within
+from fedpilot.errors import SpecError, StageFailed, UserError, within
 from fedpilot.jobs.result_file import write_result
 
 
@@ -58,7 +58,7 @@ def validate(
         check_tracking(spec.tracking.uri)
         with build_progress():
             prepared = checked(lambda: prepare(spec, root))
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full else summary(spec, prepared and prepared.data.n_clients))
     count = f"{len(spec.stages)} stage{'s' if len(spec.stages) != 1 else ''}"
@@ -87,7 +87,7 @@ def run(
 
     try:
         check_output("--result-file", result_file)
-    except SpecError as err:  # not written to the result file: it may have no folder
+    except UserError as err:  # not written to the result file: it may have no folder
         fail(err)
     try:
         root = check_cache(cache_dir)
@@ -110,7 +110,7 @@ def run(
 
         quiet_lightning()
         runner = PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
-    except SpecError as err:
+    except UserError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
     if runner.rank > 0:  # a DDP process Lightning started for `devices` > 1: it trains, rank 0 reports
@@ -196,7 +196,7 @@ def search(
         within("--trials", trials, 1, SQL_INT_MAX)
         within("--heartbeat-seconds", heartbeat_seconds, 1, PERIOD_MAX_S)
         within("--parallel", parallel, 1, PARALLEL_MAX)
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     if to is not None or parallel > 1:
         _search_elsewhere(pipeline, overrides, trials, storage, study, to, parallel,
@@ -220,7 +220,7 @@ def search(
             quiet_lightning()
             quiet_optuna()
             runner = Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
-    except SpecError as err:
+    except UserError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
     write_result(result_file, run_id=runner.run_id)
@@ -256,7 +256,7 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
             if study is not None:
                 fields["study"] = check_name("--study", study)
             ids = send(fields, target, flags, parallel, storage, "--storage")
-    except SpecError as err:
+    except UserError as err:
         fail(err)
     typer.echo(" ".join(map(str, ids)))
 
@@ -306,7 +306,7 @@ def compare(
                 _send_comparison(plan, resume, target, parallel, storage, slurm_flags(partition, gpus, cpus, mem,
                                                                                       time, account, qos))
                 return
-    except SpecError as err:
+    except UserError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
     _compare_here(plan, root, resume, storage_url, progress, heartbeat_seconds, result_file)
@@ -333,7 +333,7 @@ def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, p
     except Stopped as stop:
         typer.echo(f"\nstopped; continue with: {program()} compare --resume {run_id}", err=True)
         raise typer.Exit(stop.code) from None
-    except (SpecError, StageFailed) as err:  # the tracking store refused a request; a stage could not go on
+    except (UserError, StageFailed) as err:  # the tracking store refused a request; a stage could not go on
         fail(err)
     typer.echo("\n" + result.table)
     typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, report=True))
@@ -373,7 +373,7 @@ def _send_comparison(plan: Any, resume: str | None, target: Any, parallel: int, 
     fields = {"kind": "compare", "pipeline": plan.comparison.name, "spec": json.dumps(spec), "run_id": run_id}
     try:
         ids = send(fields, target, flags, parallel, storage, "--storage")
-    except SpecError:
+    except UserError:
         if resume is None:
             tracker.client.delete_run(run_id)
         raise

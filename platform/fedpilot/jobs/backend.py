@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Engine
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import JobError
 from fedpilot.jobs import queue, slurm
 from fedpilot.jobs.slurm_options import SlurmSpec
 
@@ -97,7 +97,7 @@ def backend(name: str | None) -> Backend:
     unknown one."""
     chosen = name or QUEUE
     if chosen not in BACKENDS:
-        raise SpecError("--to", chosen, "not a place jobs run", allowed=list(BACKENDS))
+        raise JobError("--to", chosen, "not a place jobs run", allowed=list(BACKENDS))
     return BACKENDS[chosen]()
 
 
@@ -108,7 +108,7 @@ def configured(target: Backend, spec: dict[str, Any], flags: dict[str, Any]) -> 
     if not isinstance(target, SlurmBackend):
         given = [key for key, value in flags.items() if value is not None]
         if given:
-            raise SpecError(f"--{given[0]}", flags[given[0]], "a Slurm option: add --to slurm")
+            raise JobError(f"--{given[0]}", flags[given[0]], "a Slurm option: add --to slurm")
         return target
     chosen = slurm.options(spec.get("slurm"), flags)
     slurm.parameters(spec, chosen, spec.get("name", "fedpilot"))  # GPUs against devices, before anything is stored

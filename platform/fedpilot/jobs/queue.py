@@ -35,7 +35,7 @@ from fedpilot.db import (
     session_factory,
     utcnow,
 )
-from fedpilot.errors import DataUnavailable, JobEnded, NoSuchJob, SpecError, within
+from fedpilot.errors import DataUnavailable, JobEnded, JobError, NoSuchJob, within
 from fedpilot.jobs.result_file import read_result
 from fedpilot.registry import plugin_distributions
 from fedpilot.settings import DEFAULT_TRACKING_URI, tracking_uri
@@ -70,14 +70,14 @@ def job_fields(path: Path, overrides: list[str], search: bool, trials: int | Non
     resolved = absolute_paths(spec.resolved())
     if not search:
         if trials is not None:
-            raise SpecError("--trials", trials, "only search jobs have trials; add --search")
+            raise JobError("--trials", trials, "only search jobs have trials; add --search")
         return {"kind": "run", "pipeline": resolved["name"], "spec": json.dumps(resolved)}
     block = resolved.get("search")
     if not block:
-        raise SpecError("search", None, "--search needs a pipeline with a `search:` block")
+        raise JobError("search", None, "--search needs a pipeline with a `search:` block")
     trials = trials if trials is not None else block.get("trials")
     if not trials:
-        raise SpecError("--trials", None, "required with --search (the pipeline's search block sets no trials)")
+        raise JobError("--trials", None, "required with --search (the pipeline's search block sets no trials)")
     return {"kind": "search", "pipeline": resolved["name"], "spec": json.dumps(resolved), "trials": int(trials),
             "study": block["study"]}
 

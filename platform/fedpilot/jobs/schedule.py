@@ -19,7 +19,7 @@ from sqlalchemy import Engine, delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from fedpilot.db import QUEUED, Firing, Job, Schedule, engine_options, session_factory, utcnow
-from fedpilot.errors import NoSuchSchedule, ScheduleExists, SpecError, within
+from fedpilot.errors import JobError, NoSuchSchedule, ScheduleExists, within
 from fedpilot.jobs.backend import backend
 from fedpilot.names import check_name
 from fedpilot.settings import SQL_INT_MAX
@@ -33,14 +33,14 @@ def trigger(cron: str) -> CronTrigger:
     try:
         return CronTrigger.from_crontab(cron, timezone="UTC")
     except ValueError as err:
-        raise SpecError("--cron", cron, f"not a valid cron expression: {err}") from None
+        raise JobError("--cron", cron, f"not a valid cron expression: {err}") from None
 
 
 def check_cron(cron: str, now: datetime | None = None) -> CronTrigger:
     """The trigger of a crontab expression that fires at some time after `now`; else a SpecError on `--cron`."""
     cron_trigger = trigger(cron)
     if cron_trigger.get_next_fire_time(None, now or utcnow()) is None:
-        raise SpecError("--cron", cron, "never fires: no date matches it (such as February 30)")
+        raise JobError("--cron", cron, "never fires: no date matches it (such as February 30)")
     return cron_trigger
 
 
@@ -57,7 +57,7 @@ def plan(path: Path, overrides: list[str], cron: str, trials: int, name: str | N
     resolved = spec.resolved()
     block = resolved.get("search")
     if not block:
-        raise SpecError("search", None, "a schedule runs searches: the pipeline needs a `search:` block")
+        raise JobError("search", None, "a schedule runs searches: the pipeline needs a `search:` block")
     name = name or block["study"]
     resolved["search"] = {**block, "study": name}
     since = now or utcnow()

@@ -45,7 +45,7 @@ from fedpilot.db import (
     session_factory,
     utcnow,
 )
-from fedpilot.errors import CancelFailed, SpecError, SubmitRefused
+from fedpilot.errors import CancelFailed, JobError, SubmitRefused, UserError
 from fedpilot.jobs.queue import (
     PARALLEL_KINDS,
     TAIL_CHARS,
@@ -82,7 +82,7 @@ def options(block: dict[str, Any] | None, flags: dict[str, Any]) -> SlurmSpec:
         for item in shlex.split(text):
             key, sep, value = item.partition("=")
             if not sep or key not in FLAGS:
-                raise SpecError(ENV, item, "not KEY=VALUE with a known key", allowed=list(FLAGS))
+                raise JobError(ENV, item, "not KEY=VALUE with a known key", allowed=list(FLAGS))
             env[key] = value
         merged.update(_checked(env, lambda key: f"{ENV}.{key}"))
     merged.update({k: v for k, v in (block or {}).items() if v not in (None, [])})
@@ -101,7 +101,7 @@ def _checked(values: dict[str, Any], key_of: Any, model: bool = False) -> Any:
     except ValidationError as err:
         found = from_validation(err, SlurmSpec)
         problem = found.problem.removeprefix("Value error, ")
-        raise SpecError(key_of(found.key), found.value, problem, found.allowed) from None
+        raise JobError(key_of(found.key), found.value, problem, found.allowed) from None
     return checked if model else checked.model_dump(include=set(values))
 
 
@@ -111,9 +111,9 @@ def parameters(spec: dict[str, Any], slurm: SlurmSpec, name: str) -> dict[str, A
     devices, nodes, device = spec.get("devices", 1), spec.get("nodes", 1), spec.get("device", "auto")
     gpus = slurm.gpus if slurm.gpus is not None else (0 if device == "cpu" else devices)
     if device == "cuda" and gpus == 0:
-        raise SpecError("--gpus", gpus, "the pipeline asks for `device: cuda`; give its job GPUs or set device: cpu")
+        raise JobError("--gpus", gpus, "the pipeline asks for `device: cuda`; give its job GPUs or set device: cpu")
     if 0 < gpus < devices:
-        raise SpecError("--gpus", gpus, f"`devices: {devices}` runs {devices} processes per node, one per GPU")
+        raise JobError("--gpus", gpus, f"`devices: {devices}` runs {devices} processes per node, one per GPU")
     return {"job_name": name, "nodes": nodes, "ntasks_per_node": devices, "cpus_per_task": slurm.cpus,
             "gpus_per_node": gpus or None, "mem": slurm.mem, "partition": slurm.partition, "account": slurm.account,
             "qos": slurm.qos, "time": slurm_minutes(slurm.time) if slurm.time else None, "setup": slurm.setup or None,
@@ -136,9 +136,9 @@ def enqueue(database: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmS
     job array when more than one; (row id, Slurm job id) of each. Nothing stays queued when sbatch refuses (a
     SubmitRefused says why)."""
     if parallel < 1:
-        raise SpecError("--parallel", parallel, "must be at least 1")
+        raise JobError("--parallel", parallel, "must be at least 1")
     if parallel > 1 and fields["kind"] not in PARALLEL_KINDS:
-        raise SpecError("--parallel", parallel, "only a search or a comparison runs in parallel (workers of one study "
+        raise JobError("--parallel", parallel, "only a search or a comparison runs in parallel (workers of one study "
                         "or comparison)")
     spec = json.loads(fields["spec"])
     params = parameters(spec, slurm, f"fedpilot-{fields['pipeline']}")
@@ -191,7 +191,7 @@ def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
         need_slurm()
         params = parameters(json.loads(rows[0].spec), SlurmSpec.model_validate(stored), f"fedpilot-{rows[0].pipeline}")
         dispatch(database, db_url, ids, params)
-    except SpecError as err:
+    except UserError as err:
         with session_factory(database).begin() as session:
             session.execute(update(Job).where(Job.id.in_(ids), Job.status == QUEUED).values(
                 status=FAILED, finished_at=utcnow(), error=str(err)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mlflow import MlflowClient
 
-from fedpilot.errors import SpecError
+from fedpilot.errors import RunError
 from fedpilot.report.comparison_page import is_comparison, load_comparison_run, render_comparison
 from fedpilot.report.pipeline_page import REPORT_ARTIFACT, render
 from fedpilot.report.runs import get_run, labelled, load_run
@@ -25,7 +25,7 @@ def build(client: MlflowClient, run_ids: list[str]) -> str:
     """The report page of pipeline runs, or of one comparison's run, read from the tracking store."""
     comparisons = [run for run in (get_run(client, i) for i in run_ids) if is_comparison(run)]
     if comparisons and len(run_ids) > 1:
-        raise SpecError("RUN_ID", comparisons[0].info.run_id, "a comparison's run is reported alone")
+        raise RunError("RUN_ID", comparisons[0].info.run_id, "a comparison's run is reported alone")
     if comparisons:
         return render_comparison(load_comparison_run(client, comparisons[0]), client.tracking_uri)
     return render(labelled([load_run(client, run_id) for run_id in run_ids]), client.tracking_uri)

@@ -766,3 +766,16 @@ def test_a_benchmark_script_refuses_a_bad_argument_before_any_work(tmp_path, scr
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime < 30  # imports, then the refusal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+@pytest.mark.parametrize("args", [("run", "--resume", "abc"), ("compare", "--resume", "abc"), ("report", "abc"),
+                                  ("cancel", "3"), ("jobs", "show", "4"), ("schedule", "pause", "nightly"),
+                                  ("schedule", "remove", "nightly")], ids=" ".join)
+def test_a_lookup_in_a_store_that_does_not_exist_creates_none(args, tmp_path, monkeypatch):
+    """A run, job or schedule looked up by name where there is no store yet: no such thing, and still no store."""
+    monkeypatch.chdir(tmp_path)
+    for variable in ("MLFLOW_TRACKING_URI", "FEDPILOT_DB", "FEDPILOT_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+    code, output = cli(*args)
+    assert code == 2 and output.startswith("error: ") and "no such" in output and "Traceback" not in output, output
+    assert list(tmp_path.iterdir()) == []

@@ -164,6 +164,13 @@ def sqlite_file(url: str) -> Path | None:
     return Path(found.group(1)) if found and found.group(1) != ":memory:" else None
 
 
+def store_exists(url: str) -> bool:
+    """Whether the store at `url` may hold anything: False for an SQLite file that does not exist (a lookup there,
+    a run or a job by id, is refused without creating it)."""
+    path = sqlite_file(url)
+    return path is None or path.exists()
+
+
 def hidden(url: str) -> str:
     """A URL with its password shown as *** (errors are printed, and stored with failed jobs)."""
     parts = urlparse(url)

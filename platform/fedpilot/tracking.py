@@ -34,7 +34,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from fedpilot import plots
 from fedpilot.errors import NoSuchRun, StoreUnavailable
 from fedpilot.metric_names import NOVEL
-from fedpilot.settings import hidden, sqlite_file, tracking_key
+from fedpilot.settings import hidden, sqlite_file, store_exists, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
 COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipeline) and each of its pipeline runs
@@ -306,6 +306,8 @@ def local_artifact(uri: str, run_id: str, path: str) -> Path | None:
 
 def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
     """The resolved spec a pipeline run recorded (for `fedpilot run --resume RUN_ID`)."""
+    if not store_exists(uri):
+        raise NoSuchRun("--resume", run_id, f"no such run: the tracking store {hidden(uri)} does not exist")
     client = MlflowClient(uri)
     try:
         run = client.get_run(run_id)

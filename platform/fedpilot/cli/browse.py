@@ -21,11 +21,14 @@ def report(
     """Write the report of pipeline runs (per-client CDFs, before/after and change per client, curves, footprints,
     the per-client table) as one HTML file: a run's own report, or a pipeline against its variants, a search's best
     trials side by side; or a comparison's (its table, each client's change against the baseline over the seeds)."""
-    from fedpilot.settings import check_output, check_tracking
+    from fedpilot.errors import NoSuchRun
+    from fedpilot.settings import check_output, check_tracking, store_exists
 
     try:
         uri = check_tracking(reach=True)
         check_output("--output", output)
+        if not store_exists(uri):
+            raise NoSuchRun("RUN_ID", run_ids[0], f"no such run: the tracking store {uri} does not exist")
     except UserError as err:
         fail(err)
     from mlflow import MlflowClient

@@ -29,7 +29,7 @@ from fedpilot.cli.common import (
     slurm_flags,
     unreachable,
 )
-from fedpilot.errors import SpecError, UserError, within
+from fedpilot.errors import NoSuchJob, NoSuchSchedule, SpecError, UserError, within
 from fedpilot.settings import SQL_INT_MAX
 
 if TYPE_CHECKING:
@@ -41,12 +41,16 @@ schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna stu
                            no_args_is_help=True)
 
 
-def _database(db: str | None, option: str = "--db") -> Engine:
-    """The platform database (tables created) for `option`'s value, else $FEDPILOT_DB."""
+def _database(db: str | None, option: str = "--db", missing: UserError | None = None) -> Engine:
+    """The platform database (tables created) for `option`'s value, else $FEDPILOT_DB; for a lookup (`missing`:
+    what is not found) an SQLite file that does not exist is that error, and stays uncreated."""
     from fedpilot.db import connect
-    from fedpilot.settings import platform_db
+    from fedpilot.settings import platform_db, store_exists
 
-    return connect(*platform_db(db, option))
+    url, key = platform_db(db, option)
+    if missing is not None and not store_exists(url):
+        raise missing
+    return connect(url, key)
 
 
 def _print_rows(rows: list[dict], as_json: bool, columns: list[str]) -> None:
@@ -158,7 +162,7 @@ def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot s
 
     try:
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
-        database = _database(db)
+        database = _database(db, missing=NoSuchJob(job_id))
         row = show_job(database, job_id)
     except UserError as err:
         fail(err)
@@ -190,7 +194,7 @@ def cancel(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot subm
 
     try:
         within("JOB_ID", job_id, 1, SQL_INT_MAX)
-        database = _database(db)
+        database = _database(db, missing=NoSuchJob(job_id))
         status = backend(backend_name(database, job_id)).cancel(database, job_id)
     except UserError as err:
         fail(err)
@@ -321,7 +325,7 @@ def _change(name: str, db: str | None, action: str) -> None:
     from fedpilot.jobs.schedule import remove, set_paused
 
     try:
-        database = _database(db)
+        database = _database(db, missing=NoSuchSchedule(name, []))
         if action == "removed":
             remove(database, name)
         else:

@@ -398,7 +398,11 @@ def _comparison_plan(set_file: Path | None, overrides: list[str], seeds: int | N
         from mlflow import MlflowClient
 
         from fedpilot.compare.work import recorded_plan
+        from fedpilot.errors import NoSuchRun
+        from fedpilot.settings import store_exists
 
+        if not store_exists(uri):
+            raise NoSuchRun("--resume", resume, f"no such run: the tracking store {uri} does not exist")
         return recorded_plan(MlflowClient(uri), resume), root
     if set_file is None:
         raise SpecError("set", None, "give a comparison set file (or --resume RUN_ID)")

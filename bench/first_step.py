@@ -20,9 +20,9 @@ from torch import nn
 from workload import WORKLOADS, build_model
 
 from fedpilot.engine.accel import EXECUTORS, executor_candidates
-from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.timing import fastest
 from fedpilot.engine.executor import Batches, Params, StepRule, TrainStats, plain_forward
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import CLASSIFICATION
 
 LR = 0.05

@@ -10,12 +10,12 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpilot.engine.accel import choose
-from fedpilot.engine.accel.memory import keep_freed_memory, release_freed_memory
 from fedpilot.engine.accel.pooling import MeasuredPooling, has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.accel.timing import best_time, within_memory
 from fedpilot.engine.data import ClientData, client_major_index
 from fedpilot.engine.executor import Forward, Params, precision_context
+from fedpilot.engine.memory import keep_freed_memory, release_freed_memory
 from fedpilot.engine.task import Scores, Task
 from fedpilot.models.split import ParamSplit
 

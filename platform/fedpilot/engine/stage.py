@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from fedpilot.engine.accel import AUTO, choose, executor_candidates
-from fedpilot.engine.accel.memory import data_fits, release_freed_memory
 from fedpilot.engine.accel.timing import TRIAL_STEPS, best_time, clients_per_call, fastest
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.batches import draw_without_replacement
@@ -27,6 +26,7 @@ from fedpilot.engine.data import ClientData
 from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.engine.executor import Executor, Params, plain_forward
 from fedpilot.engine.hooks import RoundResult
+from fedpilot.engine.memory import data_fits, release_freed_memory
 from fedpilot.engine.metrics import summarize
 from fedpilot.engine.novel import NovelClients, beyond_participants
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator, RoundInfo

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.summary import describe
-from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
+from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
 from fedpilot.engine.stage import FederatedStage, carry_bank
 from fedpilot.errors import StageFailed

@@ -1,7 +1,7 @@
 """The fast executors and their machinery, behind the core's `Executor`: vmap, vmap_autograd and bmm (every client
 of a chunk at once), the loops (one client per core at a time), and what they stand on: linear_graph (a model's
-Linear layers as batched matrix products), shared_start (a first step batched over clients), pooling, timing,
-memory and threads. The numbers are the sequential reference's (engine/sequential.py); only the speed differs.
+Linear layers as batched matrix products), shared_start (a first step batched over clients), pooling, timing
+and threads (the stage's memory helpers are engine/memory.py). The numbers are the sequential reference's (engine/sequential.py); only the speed differs.
 
 `choose` is the one place an `execution:` value becomes an executor ("auto": the rule of thumb below, until a stage
 has timed the candidates).

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from fedpilot.engine.accel.linear_graph import NotBatched, layer_of, sgd_
-from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
 from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, models_own
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
 
 

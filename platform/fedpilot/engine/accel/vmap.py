@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, per_client
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
 
 

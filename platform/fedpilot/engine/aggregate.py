@@ -9,6 +9,7 @@ from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
 if TYPE_CHECKING:
     import torch
 
+    from fedpilot.engine.config import ServerConfig
     from fedpilot.engine.executor import Params
 
 
@@ -74,3 +75,12 @@ class WeightedMean(ReducibleAggregator):
             dist.all_reduce(total)
             dist.all_reduce(weight)
             self.total[name], self.weight[name] = total, weight
+
+
+def server_optimizer(server: ServerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer of the shared parameters `params`, which steps on the aggregate (its pseudo-gradient)."""
+    import torch
+
+    if server.optimizer == "adam":
+        return torch.optim.Adam(params, lr=server.lr, betas=server.betas, eps=server.eps)
+    return torch.optim.SGD(params, lr=server.lr, momentum=server.momentum)

@@ -123,6 +123,10 @@ class ClientBank(nn.Module):
             torch.save(changes, path)
         self.chain.append(str(path))
 
+    def keep_changes(self, on: bool) -> None:
+        """Checkpoints save this bank as the chain of its changes (on), or as every written row."""
+        self.chain = (self.chain or []) if on else None
+
     def apply(self, saved: dict[str, Any]) -> None:
         """Write the rows of a snapshot (or a change)."""
         if len(saved["clients"]):
@@ -155,6 +159,14 @@ class ClientBank(nn.Module):
         self.put(clients, values)
 
 
+def save_changes(banks: dict[str, ClientBank], folder: Path, step: int, write: bool, state: dict[str, Any]) -> None:
+    """Each of a stage's `banks` (by attribute name) saves its rows written since the last save as the next link of
+    its chain in `folder` (`write=False`: another process writes it); the checkpoint's `state` names the chain."""
+    for name, bank in banks.items():
+        bank.save_changes(folder / f"{name}-{step}.pt", write)
+        state[f"{name}._extra_state"] = bank.get_extra_state()
+
+
 def starting_bank(init: Params, n_clients: int, carried: ClientBank | None = None,
                   budget_bytes: int | None = None) -> ClientBank:
     """A stage's starting bank: the initial values, with the rows of `carried` (the previous stage's bank) for the
@@ -169,3 +181,14 @@ def starting_bank(init: Params, n_clients: int, carried: ClientBank | None = Non
             bank.apply({"clients": saved["clients"], "rows": rows})
     bank.since_saved.clear()
     return bank
+
+
+def carry_bank(previous: ClientBank, model: nn.Module, personal_names: list[str],
+               budget_bytes: int | None = None) -> ClientBank:
+    """The starting personal bank of the stage after the one whose personal bank is `previous`, on `model` as that
+    stage left it: a parameter personal before keeps each client's value (and its shared starting value for clients
+    that never trained), a parameter that becomes personal starts as its current shared value (Pillutla et al., ICML
+    2022, App. B.2), and one new to the model (an adapter inserted since) as the model's own initial value."""
+    current = {n: p.detach() for n, p in model.named_parameters()}
+    init = {n: previous.init[n] if n in previous.names else current[n] for n in personal_names}
+    return starting_bank(init, previous.n_clients, previous, budget_bytes)

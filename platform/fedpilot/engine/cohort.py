@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from fedpilot.engine.executor import (
 from fedpilot.engine.task import Task
 from fedpilot.errors import NothingToTrain
 from fedpilot.models.split import ParamSplit
+
+if TYPE_CHECKING:
+    from fedpilot.engine.protocol import Algorithm
 
 Part = Literal["personal", "shared", "all"]
 __all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "plain_forward"]
@@ -279,3 +282,30 @@ class Cohort:
                                      rule.renamed(split.head), self.stats)
             return split.from_head(trained)
         return work.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
+
+
+@dataclass
+class Trial:
+    """The local work of the first chunk of a round's cohort (`chunk`), on copies of its clients' bank rows (what it
+    computes is thrown away): `trial(executors, steps, clients)` runs the chunk's first `clients` (None: all),
+    `steps` steps a phase (engine.accel.choice.Trial)."""
+
+    algorithm: Algorithm
+    work: RoundWork
+    chunk: torch.Tensor
+    shared: Params
+    start: Params
+    personal: Params
+    state: Params
+
+    @property
+    def clients(self) -> int:
+        return len(self.chunk)
+
+    def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None) -> None:
+        rows = slice(0, clients)
+        work = replace(self.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
+        cohort = Cohort(work, self.chunk[rows], rows, self.chunk, self.shared,
+                        {n: v[rows].clone() for n, v in self.personal.items()}, self.start,
+                        {n: v[rows].clone() for n, v in self.state.items()})
+        self.algorithm.local_update(cohort)

@@ -19,9 +19,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.summary import describe
+from fedpilot.engine.bank import carry_bank
 from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
-from fedpilot.engine.stage import FederatedStage, carry_bank
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.errors import StageFailed
 from fedpilot.models.options import MODELS
 from fedpilot.models.split import ParamSplit, apply_split
@@ -161,7 +162,8 @@ class PipelineRunner:
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code, {**beyond, "select": select}
                         if novel or select else None)
         config = stage_spec.engine_config(spec.evaluation)
-        bank = carry_bank(before, split.personal_names) if before is not None else None
+        bank = None if before is None else carry_bank(before.bank, before.model, split.personal_names,
+                                                      before.config.host_memory_budget)
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
                                stage_spec.name, novel, select)
         return stage, split, key
@@ -267,10 +269,7 @@ class PipelineRunner:
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
-                     **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()},
-                     **{f"executor_peak_bytes_{n}": v for n, v in stage.executor_peak_bytes.items()},
-                     **{f"executor_clients_per_call_{n}": v for n, v in stage.clients_per_call.items()},
-                     **({"executor_timing_s": stage.executor_timing_s} if stage.executor_timing_s is not None else {})}
+                     **stage.executor_choice.record()}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)

@@ -42,6 +42,7 @@ _LAZY = {
     "WeightedMean": "fedpilot.engine.aggregate",  # the default aggregator, to subclass
     "LocalConfig": "fedpilot.engine.config",  # the stage's `local` block (cohort.local)
     "round_generator": "fedpilot.engine.batches",  # a torch.Generator seeded by (seed, stage, round, ...)
+    "per_client": "fedpilot.engine.executor",  # a [K] tensor shaped to broadcast against [K, ...] ones
     "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model returns one or subclasses it
     "Source": "fedpilot.data.config",  # a dataset source: options (pydantic fields) and `load`
     "RawData": "fedpilot.data.sources",  # what a source's `load` returns: features, targets, natural clients

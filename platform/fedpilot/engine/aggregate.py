@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from fedpilot.engine.config import ServerConfig
-    from fedpilot.engine.executor import Params
+    from fedpilot.engine.executor import Tensors
 
 
 class WeightedMean(ReducibleAggregator):
@@ -23,12 +23,14 @@ class WeightedMean(ReducibleAggregator):
     """
 
     def __init__(self) -> None:
-        self.total: Params = {}
-        self.weight: Params = {}
+        self.total: Tensors = {}
+        self.weight: Tensors = {}
         self.upload_bytes = 0
 
     def add(self, upload: Upload, info: RoundInfo) -> None:
         import torch
+
+        from fedpilot.engine.executor import per_client
 
         values = upload.grad if upload.grad is not None else upload.shared
         for name, value in values.items():
@@ -38,7 +40,7 @@ class WeightedMean(ReducibleAggregator):
                 total, w_sum = torch.tensordot(w, value, dims=1), w.sum()  # no [K, ...] temporaries
                 self.upload_bytes += value.numel() * value.element_size()
             else:
-                w = w.view(-1, *[1] * (value.dim() - 1)) * mask.to(value.dtype)
+                w = per_client(w, value) * mask.to(value.dtype)
                 total, w_sum = (w * value).sum(0), w.sum(0)
                 self.upload_bytes += int(mask.sum()) * value.element_size()
             if upload.grad is None:  # deltas: sum_k w_k (broadcast - shared_k)
@@ -46,10 +48,10 @@ class WeightedMean(ReducibleAggregator):
             self.total[name] = self.total.get(name, 0) + total
             self.weight[name] = self.weight.get(name, 0) + w_sum
 
-    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
         return self.normalized(), state
 
-    def normalized(self) -> Params:
+    def normalized(self) -> Tensors:
         """The weighted sums divided by their weights."""
         import torch
 

@@ -6,6 +6,7 @@ the participating clients with the global model (for each client's choice betwee
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import torch
 
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
-from fedpilot.engine.executor import Params
+from fedpilot.engine.executor import Tensors
 from fedpilot.metric_names import GLOBAL, NOVEL, NOVEL_GLOBAL
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class NovelClients:
     cohort: int | None = None
 
 
-def global_model(stage: FederatedStage) -> Params:
+def global_model(stage: FederatedStage) -> Tensors:
     """The stage's global model as it stands: the shared parameters, and the personal ones at their starting value
     (the model's own, which no client's training changes)."""
     device = stage.device
@@ -64,7 +65,8 @@ def adapted_scores(stage: FederatedStage, novel: NovelClients, splits: tuple[str
     rounds = math.ceil(n / size)
     results = {f"{NOVEL}_{s}": {m: torch.full((n,), math.nan) for m in stage.task.metrics} for s in splits}
     shared, evaluator = stage.shared_params(), stage.evaluator(novel.data)
-    start = {name: shared[name] if stage.algorithm.personal_copy else value.to(stage.device)
+    copy = stage.algorithm.personal_copy  # a copy of every parameter starts from the global model
+    start = {name: shared[name] if copy and name in shared else value.to(stage.device)
              for name, value in stage.personal_init.items()}
     for r in range(rounds):
         clients = torch.arange(r * size, min(n, (r + 1) * size), device=stage.device)
@@ -72,14 +74,13 @@ def adapted_scores(stage: FederatedStage, novel: NovelClients, splits: tuple[str
         for cohort in stage.cohorts(work, clients, start, fresh=True):
             stage.algorithm.adapt(cohort)
             for split in splits:
-                scores = evaluator.scores(split, shared, rows_of(cohort.personal, int(cohort.clients[0])),
-                                          cohort.clients)
+                scores = evaluator.scores(split, shared, rows_of(cohort.own, int(cohort.clients[0])), cohort.clients)
                 for metric, values in scores.items():
                     results[f"{NOVEL}_{split}"][metric][cohort.clients.cpu()] = values
     return results
 
 
-def rows_of(personal: Params, first: int):
-    """personal_of for the Evaluator: the rows of a chunk's adapted parameters, by client id (the chunk's clients
-    are first, first + 1, ...)."""
-    return lambda ids: {name: value[ids - first] for name, value in personal.items()}
+def rows_of(own: Tensors, first: int) -> Callable[[torch.Tensor], Tensors]:
+    """personal_of for the Evaluator: the rows of a chunk's adapted values (parameters and constants), by client id
+    (the chunk's clients are first, first + 1, ...)."""
+    return lambda ids: {name: value[ids - first] for name, value in own.items()}

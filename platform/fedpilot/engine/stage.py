@@ -16,13 +16,13 @@ from torch import nn
 
 from fedpilot.engine.accel import Evaluator, ExecutorChoice
 from fedpilot.engine.aggregate import server_optimizer
-from fedpilot.engine.bank import ClientBank, save_changes
+from fedpilot.engine.bank import ClientBank, save_changes, starting_values
 from fedpilot.engine.batches import Sampling
 from fedpilot.engine.cohort import Cohort, RoundWork, Trial
 from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.ddp import check_splits_across_processes, distributed, process_rows, share_round
-from fedpilot.engine.executor import Params
+from fedpilot.engine.executor import Tensors
 from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds
 from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import cohort_spread
@@ -54,18 +54,18 @@ class FederatedStage(L.LightningModule):
         self.stage_name = name or f"{algorithm.name} (stage {stage_index})"
         self.sampling = Sampling(data.n_clients, config.clients_per_round, (seed, stage_index),
                                  algorithm.visits_each_client_once, config.eval_clients)
-        params = dict(model.named_parameters())
         self.personal_names = list(split.personal_names)
-        self.shared_names = list(params) if algorithm.personal_copy else list(split.shared_names)  # Ditto: all
+        self.shared_names = list(split.numel) if algorithm.personal_copy else list(split.shared_names)  # Ditto: all
         self.register_buffer("_no_shared", torch.zeros(0))
-        self.personal_init = {n: params[n].detach().clone() for n in self.personal_names}  # the stage's start
-        budget = config.host_memory_budget
-        self.bank = bank if bank is not None else ClientBank(self.personal_init, data.n_clients, budget)
-        self.state_bank = ClientBank(algorithm.client_state(), data.n_clients, budget)
+        # the stage's start: each client's personal parameters and constants (bank.starting_values)
+        self.personal_init = starting_values(model, self.personal_names, algorithm.constants)
+        self.bank = bank if bank is not None else ClientBank(self.personal_init, data.n_clients,
+                                                             config.host_memory_budget)
+        self.state_bank = ClientBank(algorithm.client_state(), data.n_clients, config.host_memory_budget)
         self.changes_folder: Path | None = None  # set by save_changes_in()
         self.data_on_device = True  # setup() keeps a federation larger than the device's budget on the host
         self.server_state = algorithm.server_state(data.n_clients)
-        self.executor_choice = ExecutorChoice(config.execution, model, algorithm.forward, task)
+        self.executor_choice = ExecutorChoice(config.execution, model, algorithm, task)
         self.history: list[dict[str, Any]] = []
         self.comm_bytes: list[float] = []
         self.round_log: dict[str, float] = {}  # this round's metrics (step = rounds done); callbacks get round_result
@@ -121,8 +121,7 @@ class FederatedStage(L.LightningModule):
                                         MappingProxyType(dict(self.shown)), self.execution)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The stage's records, server state and executor choice; with a `changes_folder`, the banks as the chains
-        of their changes (save_changes_in)."""
+        """The stage's records, server state and executor choice, and the banks' chains of changes (save_changes_in)."""
         checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
                                   "server_state": self.server_state, **self.executor_choice.state_dict()}
         if self.changes_folder is not None:
@@ -145,7 +144,7 @@ class FederatedStage(L.LightningModule):
     def sample_cohort(self, round_idx: int) -> torch.Tensor:
         return self.sampling.cohort(round_idx)
 
-    def shared_params(self) -> Params:
+    def shared_params(self) -> Tensors:
         params = dict(self.model.named_parameters())
         return {n: params[n].detach() for n in self.shared_names}
 
@@ -159,9 +158,10 @@ class FederatedStage(L.LightningModule):
         executor, head_executor = self.executor_choice.executors(self.device)
         return RoundWork(self.model, self.algorithm.forward, self.task, data, local,
                          local.schedule.factor(round_idx, rounds), (self.seed, self.stage_index, round_idx), executor,
-                         self.split, head_executor, self.server_state, self.config.precision)
+                         self.split, head_executor, self.server_state, self.config.precision,
+                         constants=self.algorithm.constants)
 
-    def cohorts(self, work: RoundWork, clients: torch.Tensor, start: Params, rows: slice | None = None,
+    def cohorts(self, work: RoundWork, clients: torch.Tensor, start: Tensors, rows: slice | None = None,
                 chunk: int | None = None, fresh: bool = False) -> Iterator[Cohort]:
         """The `rows` (default: all) of the round's cohort `clients` as cohorts of at most `chunk` clients (default
         max_parallel_clients), with their bank rows (a stateless algorithm's personal values: `start`); `fresh`:
@@ -196,7 +196,7 @@ class FederatedStage(L.LightningModule):
         for cohort in self.cohorts(work, clients, start, mine, chunk):
             upload = self.algorithm.local_update(cohort)
             if stateful:
-                self.bank.put(cohort.clients, cohort.personal)
+                self.bank.put(cohort.clients, cohort.own)
             self.state_bank.put(cohort.clients, cohort.state)
             if upload.shared is not None or upload.grad is not None:
                 aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight), info)
@@ -215,7 +215,7 @@ class FederatedStage(L.LightningModule):
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values())),
                 **cohort_spread(self.state_bank, clients)}
 
-    def server_step(self, pseudo_grad: Params) -> None:
+    def server_step(self, pseudo_grad: Tensors) -> None:
         """The aggregate becomes the gradient of the shared parameters; the server optimizer steps."""
         params = dict(self.model.named_parameters())
         for name, g in pseudo_grad.items():
@@ -224,7 +224,7 @@ class FederatedStage(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def personal_of(self, clients: torch.Tensor) -> Params:
+    def personal_of(self, clients: torch.Tensor) -> Tensors:
         return self.bank.get(clients)
 
     def evaluator(self, data: ClientData | None = None) -> Evaluator:

@@ -160,8 +160,8 @@ class PipelineRunner:
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code, {**beyond, "select": select}
                         if novel or select else None)
         config = stage_spec.engine_config(spec.evaluation)
-        bank = None if before is None else carry_bank(before.bank, before.model, split.personal_names,
-                                                      before.config.host_memory_budget)
+        own = [*split.personal_names, *sorted(algorithm.constants)]  # what each client holds of its own
+        bank = None if before is None else carry_bank(before.bank, before.model, own, before.config.host_memory_budget)
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
                                stage_spec.name, novel, select)
         return stage, split, key

@@ -18,6 +18,7 @@ from fedpilot.engine.accel.timing import TRIAL_STEPS, Timed, best_time, clients_
 from fedpilot.engine.ddp import distributed
 from fedpilot.engine.executor import Executor, Forward, plain_forward
 from fedpilot.engine.memory import release_freed_memory
+from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.task import Task
 
 Executors = tuple[Executor, Executor | None]  # the executor of a stage's local work, and of its head-only work
@@ -33,12 +34,13 @@ class Trial(Protocol):
 
 
 class ExecutorChoice:
-    """The executor of a stage's local work and evaluation (`name`), and under `auto`, once timed, what each
-    candidate measured: `seconds` and `peak_bytes` on the first round's first chunk, `clients_per_call` of those
-    that batch clients, and `timing_s`, what the timing took."""
+    """The executor of a stage's local work and evaluation (`name`), applying the model with the `algorithm`'s
+    `forward`, and under `auto`, once timed, what each candidate measured: `seconds` and `peak_bytes` on the first
+    round's first chunk, `clients_per_call` of those that batch clients, and `timing_s`, what the timing took."""
 
-    def __init__(self, requested: str, model: nn.Module, forward: Forward, task: Task):
-        self.requested, self.model, self.forward, self.task = requested, model, forward, task
+    def __init__(self, requested: str, model: nn.Module, algorithm: Algorithm, task: Task):
+        self.requested, self.model, self.task = requested, model, task
+        self.forward: Forward = plain_forward if algorithm.models_forward else algorithm.forward
         self.name = requested  # "auto" until the first round times the candidates
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}

@@ -15,7 +15,7 @@ from fedpilot.engine.accel.pooling import MeasuredPooling, has_2d_maps, with_mea
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.accel.timing import best_time, within_memory
 from fedpilot.engine.data import ClientData, client_major_index
-from fedpilot.engine.executor import Forward, Params, precision_context
+from fedpilot.engine.executor import Forward, Tensors, precision_context
 from fedpilot.engine.memory import keep_freed_memory, release_freed_memory
 from fedpilot.engine.metrics import summarize
 from fedpilot.engine.task import Scores, Task
@@ -28,11 +28,11 @@ if TYPE_CHECKING:
 # its tensors explain (the host allocator; bench/README.md, 2026-11-27) and comes back between chunks: the chunk
 # bounds it. A larger one gains nothing on the flat path, which runs the measured forward batch anyway.
 CHUNK_SAMPLES = 4096
-PersonalOf = Callable[[torch.Tensor], Params]  # client ids -> their own values [K, ...] (none: {})
+PersonalOf = Callable[[torch.Tensor], Tensors]  # client ids -> their own values [K, ...] (none: {})
 Source = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (start, stop) -> a range's inputs and labels
 
 
-def no_personal(clients: torch.Tensor) -> Params:
+def no_personal(clients: torch.Tensor) -> Tensors:
     """`PersonalOf` of the global model: nothing of the clients' own."""
     return {}
 
@@ -47,7 +47,7 @@ class Evaluator:
         self.choice, self.split, self.data, self.precision, self.max_samples = (choice, split, data, precision,
                                                                                 max_samples)
 
-    def scores(self, part: str, shared: Params, personal_of: PersonalOf = no_personal,
+    def scores(self, part: str, shared: Tensors, personal_of: PersonalOf = no_personal,
                clients: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Each metric per client of `clients` (default: every client) on the data's split `part`, with the shared
         parameters `shared` and each client's own values `personal_of(ids)`, on the CPU; NaN for a client with no
@@ -63,7 +63,7 @@ class Evaluator:
         return summarize(name or part, scores, weights, self.choice.task.distributions)
 
     @torch.no_grad()
-    def _scores(self, part: str, shared: Params, personal_of: PersonalOf,
+    def _scores(self, part: str, shared: Tensors, personal_of: PersonalOf,
                 clients: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """`scores` on the model's device.
 
@@ -80,7 +80,7 @@ class Evaluator:
         samples = _Samples(data, client_major_index(data.offsets[part].cpu()[ids], sizes), device)
         sizes = sizes.to(device)
 
-        def own(rows: torch.Tensor) -> Params:  # the values of the clients at `rows` of `ids`
+        def own(rows: torch.Tensor) -> Tensors:  # the values of the clients at `rows` of `ids`
             return personal_of(ids[rows.cpu()].to(device))
 
         pooling = MeasuredPooling() if has_2d_maps(model) else nullcontext()  # threads enter it in `_scores`
@@ -94,7 +94,7 @@ class Evaluator:
                 return self._heads(shared, own, samples, sizes)
             return self._per_client(model, self.choice.forward, shared, own, samples, sizes)
 
-    def _heads(self, shared: Params, own: PersonalOf, samples: Source, sizes: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _heads(self, shared: Tensors, own: PersonalOf, samples: Source, sizes: torch.Tensor) -> dict[str, torch.Tensor]:
         """Personal heads only: the shared body over the samples in large batches, each client's head on its
         features."""
         model, split = self.choice.model, self.split
@@ -107,7 +107,7 @@ class Evaluator:
         return self._per_client(model.head, _plain, split.in_head(shared), lambda rows: split.in_head(own(rows)),
                                 features_at, sizes)
 
-    def _per_client(self, module: nn.Module, forward: Forward, fixed: Params, own: PersonalOf, source_at: Source,
+    def _per_client(self, module: nn.Module, forward: Forward, fixed: Tensors, own: PersonalOf, source_at: Source,
                     sizes: torch.Tensor) -> dict[str, torch.Tensor]:
         """Metric sums over each client's samples divided by its units, chunk of clients by chunk: a chunk's samples
         are one contiguous range, whose inputs (or body features) and labels `source_at(start, stop)` gives; its
@@ -212,7 +212,7 @@ def _measured_batch(module: nn.Module, apply: Callable[[torch.Tensor], torch.Ten
     return best
 
 
-def _plain(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
+def _plain(module: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
     return functional_call(module, params, (x,))
 
 
@@ -231,7 +231,7 @@ def _chunks(sizes: torch.Tensor, max_samples: int) -> list[torch.Tensor]:
     return [torch.tensor(g, device=sizes.device) for g in groups]
 
 
-def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, fixed: Params, source: torch.Tensor,
+def _scores(module: nn.Module, forward: Forward, task: Task, personal: Tensors, fixed: Tensors, source: torch.Tensor,
             labels: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor, batched: bool) -> Scores:
     """The task's per-sample metric sums and units [K, n_max] of K clients (0 on padding)."""
     width = max(int(sizes.max()), 1)
@@ -240,7 +240,7 @@ def _scores(module: nn.Module, forward: Forward, task: Task, personal: Params, f
     idx = torch.where(mask, starts[:, None] + pos[None], torch.zeros_like(pos[None]))
     xb, yb = source[idx], labels[idx]
 
-    def apply(params: Params, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
+    def apply(params: Tensors, inputs: torch.Tensor, net: nn.Module = module) -> torch.Tensor:
         return forward(net, {**fixed, **params}, inputs)  # a personal copy wins over the global
 
     apply = with_measured_pooling(apply) if has_2d_maps(module) else apply

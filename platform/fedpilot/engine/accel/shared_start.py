@@ -25,7 +25,7 @@ from torch import nn
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.task import Task
 
-Params = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
 
 
 def _int_padding(conv: nn.Conv2d) -> tuple[int, ...] | None:
@@ -61,9 +61,9 @@ def _linear_per_client(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
     return y.view(out.shape)
 
 
-def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: Params, fixed: Params,
+def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: Tensors, fixed: Tensors,
                      trainable: list[str], x: torch.Tensor, y: torch.Tensor,
-                     w: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+                     w: torch.Tensor) -> tuple[Tensors, torch.Tensor, torch.Tensor] | None:
     """Each client's gradient [K, ...] of the `trainable` parameters on its batch x [K, B, ...] (labels y and 0/1
     weights w [K, B]), with its loss and metric [K], at the clients' `params` [K, ...] (a broadcast's rows are
     stride-0 views of the same weights) and the shared frozen `fixed`. Linear layers with per-client weights (a
@@ -106,7 +106,7 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: P
         for hook in hooks:
             hook.remove()
     output_grads = found[:len(layers)]
-    grads: Params = dict(zip(mine, found[len(layers):], strict=True))
+    grads: Tensors = dict(zip(mine, found[len(layers):], strict=True))
     convolutions = []
     for (name, layer), g in zip(layers.items(), output_grads, strict=True):
         a, g = seen[name][0][0].detach().unflatten(0, (clients, -1)), g.unflatten(0, (clients, -1))

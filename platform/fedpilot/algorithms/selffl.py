@@ -47,9 +47,8 @@ scalar synthetic problem (tests/test_algo_selffl.py). Choices where the paper is
 * What the server broadcasts for the other clients' weights: s0 and the total precision P = sum_k w_k over
   ALL clients, each with its last reported s_k (0 before its first report: the paper's initial s = 0). A
   client subtracts its own term, W_-m = P - w_m. The server keeps the reported s_k (one scalar per client,
-  `server_state["variance"]`); as the engine draws one batch plan for the whole cohort before cutting it
-  into chunks, every chunk computes the cohort's l_m from that copy, as it stood at the round's start
-  (identical to each client's own s_m, which the tests check).
+  `server_state["variance"]`); every chunk computes the whole cohort's l_m (a per-client `steps` tensor is
+  the whole cohort's) from that copy as it stood at the round's start, equal to each client's own s_m.
 * First activation: the client has no personal model of its own yet (its personal copy is the stage's
   starting model), so it starts from the broadcast (theta_m^INIT = theta) and, with zero variance, trains
   l_max steps. Its aggregation weight is then 1 / s0.
@@ -257,9 +256,9 @@ class SelfFL(Algorithm):
     def client_state(self) -> dict[str, torch.Tensor]:
         if not self.shapes:
             raise RuntimeError("Self-FL: call prepare_model(model, input_shape) before building the stage")
-        means = {f"mean.{n}": torch.zeros(shape) for n, shape in self.shapes.items()}
         zero = torch.zeros(())
-        return {"activations": zero, "variance": zero.double(), "steps": zero, **means}
+        return {"activations": zero, "variance": zero.double(), "steps": zero,
+                **{f"mean.{n}": torch.zeros(shape) for n, shape in self.shapes.items()}}
 
     def local_update(self, cohort: Cohort) -> Upload:
         variances, sigma0_sq = self.variances(cohort)

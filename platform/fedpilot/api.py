@@ -3,9 +3,22 @@ by entry points: groups `fedpilot.algorithms`, `fedpilot.models`, `fedpilot.sour
 which use nothing else. Names here are stable; everything else in fedpilot is private (fedpilot.testing holds the
 public test helpers).
 
-- an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`), which sees a `Cohort`
-  (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side (`Aggregator`,
-  `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`);
+- an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`, as `self.params`), which
+  sees a `Cohort` (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side
+  (`Aggregator`, `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`);
+- the shapes a `Cohort` deals in: the engine hands an algorithm a round's cohort chunk by chunk. Everything per
+  client is per client of the chunk, [K, ...] in the order of `cohort.clients` (`personal`, `constants`, `state`,
+  `weights`, what `sgd` and `gradient` return, an `Upload`'s tensors), except a per-client `steps` tensor for `sgd`
+  or `gradient`, which is per client of the whole cohort, [R] in the order of `cohort.cohort_clients` (the round's
+  batch plan is drawn once for every chunk), and the federation's tensors ([n_clients], by client id: a server
+  state's). `cohort.chunk_of(values)` takes the chunk's rows of a whole-cohort tensor; `cohort.per_client(values,
+  like)` (and `per_client` for formula code) shapes a [K] tensor to broadcast against [K, ...] ones; a `steps`
+  tensor or an argument of these two of the wrong length is an error that says which length is expected;
+- per-client constants (`Algorithm.constants`): buffers of the model (registered by the algorithm's
+  `prepare_model`) each client holds its own value of, set through `cohort.constants`; the algorithm's `forward`
+  sees a client's values in `params` in training and evaluation, no local step changes them, and a client that
+  never took part has the buffer's value. `Algorithm.models_forward` says whether the model's own forward applies
+  (no `forward` override, no constants);
 - a model: built as `model(input_shape, num_classes, **options)`, like the built-in ones: a function that returns a
   `Net(body, head)`, or a `Net` subclass (its options: the keyword parameters after those two, typed by their
   annotations);
@@ -14,8 +27,9 @@ public test helpers).
 - `SpecError(key, value, problem, allowed)`: a bad input, which the CLI prints as one line with exit code 2;
 - `Tensors`: `dict[str, torch.Tensor]`, tensors by parameter name (parameters, gradients, masks, client state).
 
-Deprecated: `Params`, the old name of `Tensors`, kept for one release; it read like `Algorithm.Params` (`self.p`),
-the hyperparameter class, which is a different thing. Importing it warns.
+Deprecated, kept for one release: `Params`, the old name of `Tensors` (it read like `Algorithm.Params`, the
+hyperparameter class, which is a different thing; importing it warns), and `Algorithm.p`, the old name of
+`Algorithm.params` (reading it warns).
 
 Importing this module is cheap (no torch); the names that need torch or numpy load them on first use.
 """

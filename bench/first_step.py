@@ -21,16 +21,16 @@ from torch import nn
 from workload import WORKLOADS, build_model
 
 from fedpilot.engine.accel import EXECUTORS, executor_candidates
-from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.timing import fastest
-from fedpilot.engine.executor import Batches, Params, StepRule, TrainStats, plain_forward
+from fedpilot.engine.executor import Batches, StepRule, Tensors, TrainStats, plain_forward
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import CLASSIFICATION
 
 LR = 0.05
 
 
-def local_steps(name: str, model: nn.Module, shared: Params, heads: Params, x: torch.Tensor,
-                y: torch.Tensor) -> Params:
+def local_steps(name: str, model: nn.Module, shared: Tensors, heads: Tensors, x: torch.Tensor,
+                y: torch.Tensor) -> Tensors:
     """Every client's steps over its batches x [K, S, B, ...] from the shared weights, with the executor `name`; with
     `heads` (each client's own head [K, ...], frozen) the rest of the model is trained."""
     clients, steps, batch = y.shape

@@ -41,7 +41,7 @@ def hetero_stage(local: LocalConfig, cohort: tuple[int, ...] | None = None, exec
     algorithm.prepare_model(net, input_shape)
     cfg = StageConfig(rounds=rounds, clients_per_round=7, local=local, max_parallel_clients=chunk)
     stage = stage_for(net, RATE, data or ToyData(), algorithm, cfg, seed=1)
-    stage.execution = execution
+    stage.executor_choice.pin(execution)
     if cohort is not None:
         stage.sample_cohort = lambda round_idx: torch.tensor(cohort)
     fit(stage)

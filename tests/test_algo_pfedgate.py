@@ -81,7 +81,10 @@ def test_greedy_knapsack_gap_to_the_exact_solution_on_the_digits_mlp():
 
 
 def test_exact_knapsack_with_too_many_blocks_is_refused():
-    with pytest.raises(SpecError, match="params.knapsack"):
+    digits = build_model("mlp", (1, 8, 8), 10)
+    with pytest.raises(SpecError, match="params.knapsack"):  # checked before the gate is built
+        build_algorithm("pfedgate", {"knapsack": "exact", "blocks": 10}).prepare_model(digits, (1, 8, 8))
+    with pytest.raises(ValueError, match="knapsack"):  # the module itself raises no user error
         digits_gate("exact", blocks=10)
     assert not digits_gate("auto", blocks=10).exact  # auto falls back to greedy
 
@@ -166,7 +169,10 @@ def test_gates_and_importances_get_gradients_through_the_sparse_model():
 
 
 def test_budget_smaller_than_the_kept_first_blocks_is_refused():
-    with pytest.raises(SpecError, match="s_min"):
+    tiny = torch.nn.Sequential(torch.nn.Linear(4, 2))  # 8 + 2 entries: each first block (1 entry) is over 5%
+    with pytest.raises(SpecError, match="params.s_min"):  # checked before the gate is built
+        build_algorithm("pfedgate", {"s": 0.05, "s_min": 0.05}).prepare_model(tiny, (4,))
+    with pytest.raises(ValueError, match="s_min"):  # the module itself raises no user error
         BlockGate(16, {"w": torch.Size([100])}, blocks=4, s=0.01, s_min=0.05)
     with pytest.raises(ValueError, match=r"s_min=0.6 must be <= every budget \(smallest: 0.5\)"):
         build_algorithm("pfedgate", {"s": 0.5, "s_min": 0.6})

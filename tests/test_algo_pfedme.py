@@ -35,7 +35,7 @@ def pfedme_stage(params: dict, local: LocalConfig, execution: str = "vmap", chun
     cfg = StageConfig(rounds=rounds, clients_per_round=per_round, local=local, max_parallel_clients=chunk,
                       server={"lr": server_lr})
     stage = stage_for(model, ALL, ToyData(), build_algorithm("pfedme", params), cfg, seed=3)
-    stage.execution = execution
+    stage.executor_choice.pin(execution)
     fit(stage)
     return stage, start
 

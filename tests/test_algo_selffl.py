@@ -161,7 +161,7 @@ def selffl_stage(execution: str = "vmap", chunk: int = 7, rounds: int = 3, algor
     cfg = StageConfig(rounds=rounds, clients_per_round=per_round, local=LOCAL, max_parallel_clients=chunk,
                       eval_every=rounds)
     stage = stage_for(model, ALL, ToyData(), algo, cfg, seed=3)
-    stage.execution = execution
+    stage.executor_choice.pin(execution)
     return stage
 
 

@@ -7,7 +7,7 @@ import torch
 
 from engine_fixtures import TinyCNN, TinyMLP, ToyData, fit, stage_for
 from fedpilot.api import Algorithm
-from fedpilot.engine.accel import choose_execution, executor_candidates, shared_start
+from fedpilot.engine.accel import choose, executor_candidates, shared_start
 from fedpilot.engine.cohort import Cohort
 from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.engine.protocol import Upload
@@ -107,11 +107,11 @@ def test_auto_execution_loops_convolutions_on_cpu_and_vmaps_the_rest():
     cnn, cpu = TinyCNN(), torch.device("cpu")
     assert executor_candidates(cnn) == ["vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first"]
     assert executor_candidates(TinyMLP()) == ["vmap", "vmap_autograd", "loop", "bmm"]
-    assert choose_execution("auto", cnn, cpu) == "loop"
-    assert choose_execution("auto", cnn.head, cpu) == "vmap"  # head-only phases run on trunk features
-    assert choose_execution("auto", TinyMLP(), cpu) == "vmap"
-    assert choose_execution("auto", cnn, torch.device("cuda")) == "vmap"
-    assert choose_execution("loop", TinyMLP(), cpu) == "loop"
+    assert choose("auto", cnn, cpu).name == "loop"
+    assert choose("auto", cnn.head, cpu).name == "vmap"  # head-only phases run on trunk features
+    assert choose("auto", TinyMLP(), cpu).name == "vmap"
+    assert choose("auto", cnn, torch.device("cuda")).name == "vmap"
+    assert choose("loop", TinyMLP(), cpu).name == "loop"
 
 
 class GradientStep(Algorithm):

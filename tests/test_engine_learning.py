@@ -14,8 +14,8 @@ from engine_fixtures import fit, stage_for
 from fedpilot.algorithms import build_algorithm
 from fedpilot.data.config import DatasetSpec
 from fedpilot.data.federated import build_federated_data
+from fedpilot.engine.bank import carry_bank
 from fedpilot.engine.config import LocalConfig, StageConfig
-from fedpilot.engine.stage import carry_bank
 from fedpilot.models.split import apply_split
 from fedpilot.models.zoo import build_model
 from fedpilot.pipeline.checks import client_data
@@ -36,11 +36,11 @@ def three_stages(seed: int, cache_dir) -> tuple[float, float]:
     head = apply_split(model, "output_layer").personal_names
     personalize = stage_for(model, head, data, build_algorithm("fedalt", {"lr_v": 0.01}),
                                  StageConfig(rounds=50, clients_per_round=10, local=local, eval_every=50), seed, 1,
-                                 bank=carry_bank(pretrain, head))
+                                 bank=carry_bank(pretrain.bank, pretrain.model, head))
     fit(personalize)
     finetune = stage_for(model, head, data, build_algorithm("finetune"),
                               StageConfig(clients_per_round=50, local=LocalConfig(epochs=5, batch_size=10, lr=0.005)),
-                              seed, 2, bank=carry_bank(personalize, head))
+                              seed, 2, bank=carry_bank(personalize.bank, personalize.model, head))
     fit(finetune)
     accuracy = [float(s.client_metrics["test"]["acc"].nanmean()) for s in (pretrain, finetune)]
     return accuracy[0], accuracy[1]

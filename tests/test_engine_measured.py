@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from fedpilot.engine import evaluate
-from fedpilot.engine.accel import pooling, timing
+from fedpilot.engine.accel import evaluate, pooling, timing
 from fedpilot.engine.accel.pooling import MeasuredPooling, has_2d_maps
 from fedpilot.engine.accel.timing import fastest
 

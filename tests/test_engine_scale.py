@@ -8,10 +8,9 @@ import torch
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
-from fedpilot.engine.accel import VMAPPED
+from fedpilot.engine.accel import EXECUTORS, Evaluator
 from fedpilot.engine.bank import ClientBank, starting_bank
 from fedpilot.engine.config import LocalConfig, StageConfig
-from fedpilot.engine.evaluate import evaluate_clients
 from fedpilot.testing import INPUT
 
 HEAD = ["head.weight", "head.bias"]
@@ -90,14 +89,14 @@ def test_training_evaluates_a_seeded_sample_and_the_end_every_client():
                          eval_clients=5)
     torch.manual_seed(0)
     stage = stage_for(TinyMLP(), HEAD, ToyData(), build_algorithm("fedalt"), config, seed=2)
-    samples = [stage.evaluation_sample() for _ in range(2)]
+    samples = [stage.sampling.evaluated() for _ in range(2)]
     assert torch.equal(samples[0], samples[1]) and len(samples[0]) == 5  # the same clients at every evaluation
     fit(stage)
     during = [e for e in stage.history if e["round"] < 4]
     assert len(during) == 3 and all(e["split"] == "val" for e in during)
     assert stage.client_metrics["val"]["acc"].shape == (stage.data.n_clients,)  # the end: every client
-    scores, everyone = (evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task,
-                                         stage.shared_params(), stage.personal_of, stage.data, "val", "vmap", clients)
+    stage.executor_choice.pin("vmap")
+    scores, everyone = (stage.evaluator().scores("val", stage.shared_params(), stage.personal_of, clients)
                         for clients in (samples[0], None))
     assert scores["acc"].shape == (5,)  # only the sample's clients, each with its own model
     torch.testing.assert_close(scores["acc"], everyone["acc"][samples[0]])
@@ -109,8 +108,9 @@ def test_flat_evaluation_without_personal_parameters_equals_the_per_client_one()
     stage = stage_for(TinyMLP(), [], ToyData(), build_algorithm("fedavg"), config, seed=2)
     fit(stage)
     shared, data = stage.shared_params(), stage.data
-    flat = evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, shared, stage.personal_of,
-                            data, "test", "loop", max_samples=7)  # batches that cut through clients
+    stage.executor_choice.pin("loop")
+    flat = Evaluator(stage.executor_choice, stage.split, data, max_samples=7).scores(  # batches cut through clients
+        "test", shared, stage.personal_of)
     for c in range(data.n_clients):
         lo, n = int(data.offsets["test"][c]), int(data.sizes["test"][c])
         with torch.no_grad():
@@ -122,8 +122,8 @@ def kept_by_the_rule(stage) -> bool:
     """The stage kept its fastest candidate, or a leaner one within SAME_SPEED of it (`timing.kept`)."""
     from fedpilot.engine.accel.timing import MATERIAL_MEMORY, SAME_SPEED
 
-    peaks = stage.executor_peak_bytes  # of the candidates timed (not those their sized calls left out)
-    seconds = {n: s for n, s in stage.executor_seconds.items() if n in peaks}
+    peaks = stage.executor_choice.peak_bytes  # of the candidates timed (not those their sized calls left out)
+    seconds = {n: s for n, s in stage.executor_choice.seconds.items() if n in peaks}
     best = min(seconds, key=seconds.get)
     return stage.execution == best or (seconds[stage.execution] <= SAME_SPEED * seconds[best]
                                        and peaks[stage.execution] < (1 - MATERIAL_MEMORY) * peaks[best])
@@ -140,11 +140,12 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
 
     auto = make("auto")
     fit(auto)
-    assert set(auto.executor_seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd", "loop", "bmm"}
+    assert set(auto.executor_choice.seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd", "loop",
+                                                                                          "bmm"}
     assert kept_by_the_rule(auto)
     pinned = make(auto.execution)
     fit(pinned)
-    assert not pinned.executor_seconds  # a pinned executor is not timed
+    assert not pinned.executor_choice.seconds  # a pinned executor is not timed
     # timing wrote nothing and drew no random numbers (head-only steps of a timed stage keep the rule of thumb, so
     # the two may differ in rounding, not more)
     for name, value in auto.shared_params().items():
@@ -176,14 +177,14 @@ def test_executor_trials_take_a_few_steps_of_the_first_chunk(monkeypatch):
     assert [k for k, _ in rounds] == [5, 3, 5, 3] and max(most for _, most in rounds) > TRIAL_STEPS  # not capped
     first_turn = next(i for i, (_, most) in enumerate(trials) if most > 1)
     one_step, turns = trials[:first_turn], trials[first_turn:]
-    warm_ups = len(stage.executor_peak_bytes)  # every candidate but those their sized calls showed slower
-    assert set(stage.executor_seconds) == set(executor_candidates(stage.model))
+    warm_ups = len(stage.executor_choice.peak_bytes)  # every candidate but those their sized calls showed slower
+    assert set(stage.executor_choice.seconds) == set(executor_candidates(stage.model))
     assert one_step[-warm_ups:] == [(5, 1.0)] * warm_ups  # each candidate warms up on one step of the chunk
     assert turns and all(trial == (5, TRIAL_STEPS) for trial in turns)
     # before them, the executors that batch clients measured calls of 1 client (a tiny model: then all 5 a call)
     sizing = one_step[:-warm_ups]
     assert all(k in (1, 2, 4, 5) and most == 1 for k, most in sizing)
-    assert sizing.count((1, 1.0)) >= len(stage.clients_per_call) == 3  # vmap, vmap_autograd, bmm
+    assert sizing.count((1, 1.0)) >= len(stage.executor_choice.clients_per_call) == 3  # vmap, vmap_autograd, bmm
     assert kept_by_the_rule(stage)
 
 
@@ -200,7 +201,7 @@ def test_a_candidate_out_of_memory_on_the_first_round_leaves_the_stage_to_the_ot
     start = {n: p.clone() for n, p in stage.shared_params().items()}
     with pytest.warns(UserWarning, match="executor candidate 'vmap' ran out of memory"):
         fit(stage)
-    assert stage.execution == "loop" and set(stage.executor_seconds) == {"loop"}
+    assert stage.execution == "loop" and set(stage.executor_choice.seconds) == {"loop"}
     assert stage.rounds_run == 3 and all(not torch.equal(p, start[n]) for n, p in stage.shared_params().items())
 
 
@@ -230,7 +231,7 @@ def test_data_past_the_device_budget_stays_on_the_host_and_rounds_gather_their_c
 
 
 def test_each_executor_evaluates_the_personal_models_alike_and_both_vmaps_vectorize(monkeypatch):
-    import fedpilot.engine.evaluate as evaluate
+    import fedpilot.engine.accel.evaluate as evaluate
 
     config = StageConfig(rounds=2, clients_per_round=4, local=LocalConfig(steps=2, batch_size=4))
     torch.manual_seed(0)
@@ -238,11 +239,11 @@ def test_each_executor_evaluates_the_personal_models_alike_and_both_vmaps_vector
     fit(stage)
 
     def scores(execution: str) -> dict[str, torch.Tensor]:
-        return evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, stage.shared_params(),
-                                stage.personal_of, stage.data, "val", execution)
+        stage.executor_choice.pin(execution)
+        return stage.evaluator().scores("val", stage.shared_params(), stage.personal_of)
 
     looped = scores("loop")
     monkeypatch.setattr(evaluate, "for_each_client", None)  # a vmapped evaluation never loops over clients
-    for execution in VMAPPED:
+    for execution in (name for name, executor in EXECUTORS.items() if executor.batched):
         for metric, values in scores(execution).items():
             torch.testing.assert_close(values, looped[metric])

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from engine_fixtures import TinyMLP, ToyData, fit, stage_for
 from fedpilot.algorithms import build_algorithm
+from fedpilot.engine.accel import ExecutorChoice
 from fedpilot.engine.cohort import Cohort
 from fedpilot.engine.config import LocalConfig, ServerConfig, StageConfig
 from fedpilot.engine.stage import FederatedStage
@@ -58,15 +59,18 @@ def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(t
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
     L.Trainer(max_steps=2, logger=False, callbacks=[ckpt], enable_progress_bar=False,
               enable_model_summary=False).fit(interrupted)
-    assert interrupted.execution != "auto" and interrupted.executor_seconds
+    timed, was = interrupted.executor_choice, interrupted.executor_choice.record()
+    assert interrupted.execution != "auto" and timed.seconds
     resumed = make_stage()
-    monkeypatch.setattr(FederatedStage, "choose_executor", lambda *a: pytest.fail("timed again on resume"))
+    monkeypatch.setattr(ExecutorChoice, "time", lambda *a: pytest.fail("timed again on resume"))
     L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    choice = resumed.executor_choice
     assert resumed.execution == interrupted.execution
-    assert resumed.executor_seconds == interrupted.executor_seconds
-    assert resumed.clients_per_call == interrupted.clients_per_call and "vmap" in interrupted.clients_per_call
-    assert resumed.executor_timing_s == interrupted.executor_timing_s > 0
+    assert choice.seconds == timed.seconds
+    assert choice.clients_per_call == timed.clients_per_call and "vmap" in timed.clients_per_call
+    assert choice.timing_s == timed.timing_s > 0
+    assert choice.record() == was
 
 
 def test_cohort_is_seeded_uniform_without_replacement():

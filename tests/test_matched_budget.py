@@ -73,7 +73,7 @@ def test_every_client_takes_the_same_minibatch_gradients_a_round(comparisons, ca
             one_round = spec.model_copy(update={"stages": [spec.stages[0], spec.stages[1].model_copy(
                 update={"rounds": 1})]})
             stage, _, _ = PipelineRunner(one_round, cache_dir=cache, progress=False)._stage(1, "", None)
-            stage.execution = "vmap"  # pinned: an auto stage also times executors on the round's plans
+            stage.executor_choice.pin("vmap")  # pinned: an auto stage also times executors on the round's plans
             works.clear()
             fit(stage)
             round_work = {id(w): w for w in works}.values()

@@ -132,7 +132,7 @@ def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
     import psutil
     import torch
 
-    from fedpilot.engine.accel.memory import PeakMemory, keep_freed_memory, release_freed_memory
+    from fedpilot.engine.memory import PeakMemory, keep_freed_memory, release_freed_memory
 
     keep_freed_memory(torch.device("cpu"))
     release_freed_memory()  # as PeakMemory starts: what earlier tests freed is not part of the baseline

@@ -19,6 +19,7 @@ from pathlib import Path
 from textwrap import dedent
 
 import pytest
+import torch
 import yaml
 
 from fedpilot.db import connect
@@ -41,6 +42,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
         [project.entry-points."fedpilot.algorithms"]
         twostep = "lab_fl.algorithm:TwoStep"
         plain = "lab_fl.algorithm:Plain"
+        tempered = "lab_fl.tempered:Tempered"
 
         [project.entry-points."fedpilot.models"]
         wide = "lab_fl.model:Wide"
@@ -81,6 +83,45 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
 
             name = "plain"
             tunable = {}
+        ''',
+    "lab_fl/tempered.py": '''
+        """Each client's logits divided by a temperature of its own (1, 2 or 3 by its id): a per-client constant."""
+
+        import torch
+        from torch import nn
+        from torch.func import functional_call
+
+        from fedpilot.api import Algorithm, Cohort, Tensors, Upload
+
+
+        class Temperature(nn.Module):
+            """Logits over the temperature `value`, a buffer each client has its own value of."""
+
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("value", torch.tensor(1.0))
+
+            def forward(self, logits: torch.Tensor) -> torch.Tensor:
+                return logits / self.value
+
+
+        class Tempered(Algorithm):
+            name = "tempered"
+            constants = frozenset({"temperature.value"})
+
+            def prepare_model(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:
+                if not isinstance(getattr(model, "temperature", None), Temperature):
+                    model.temperature = Temperature()
+
+            def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+                own = {n.removeprefix("temperature."): v for n, v in params.items() if n.startswith("temperature.")}
+                return functional_call(model.temperature, own, (functional_call(model, params, (x,)),))
+
+            def local_update(self, cohort: Cohort) -> Upload:
+                cohort.constants = {"temperature.value": 1.0 + (cohort.clients % 3).float()}
+                trained = cohort.sgd("all")
+                cohort.personal = trained.personal
+                return Upload(shared=trained.shared)
         ''',
     "lab_fl/model.py": '''
         import math
@@ -440,6 +481,38 @@ def test_clashing_and_broken_plugins_fail_when_named_with_their_distribution(ove
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), output
     assert (workdir / "mlflow.db").read_bytes() == before and not (workdir / "cache" / "stages").exists()
+
+
+def test_a_plugin_algorithm_with_a_per_client_constant(lab):
+    """`tempered` (lab-fl) divides each client's logits by a temperature of its own, a per-client constant
+    (Algorithm.constants): the vectorized executors end its stage as the sequential reference does (weight decay
+    on), and the personal bank holds each client's own value, which training never moved (the buffer's, 1, for a
+    client that never took part)."""
+    from fedpilot.algorithms import build_algorithm
+    from fedpilot.api import Upload
+    from fedpilot.testing import HEAD, TinyMLP, assert_matches_sequential, run_stage
+
+    def model():
+        net = TinyMLP()
+        build_algorithm("tempered").prepare_model(net, (16,))
+        return net
+
+    own = [*HEAD, "temperature.value"]
+    assert not build_algorithm("tempered").models_forward  # its constants reach its forward: no fast path
+    assert_matches_sequential("tempered", own, model=model)
+    shared, bank = run_stage("tempered", own, execution="vmap", chunk=5, model=model)
+    temperature, theirs = bank["temperature.value"], 1.0 + torch.arange(12) % 3
+    assert all(float(t) in (1.0, float(mine)) for t, mine in zip(temperature, theirs, strict=True))
+    assert int((temperature > 1).sum()) >= 4  # clients took part with their own temperature
+
+    class Untempered(type(build_algorithm("tempered"))):  # every client at the buffer's temperature, 1
+        def local_update(self, cohort):
+            trained = cohort.sgd("all")
+            cohort.personal = trained.personal
+            return Upload(shared=trained.shared)
+
+    plain = run_stage(Untempered(), own, execution="vmap", chunk=5, model=model)[0]
+    assert not torch.equal(plain["body.1.weight"], shared["body.1.weight"])  # the forward saw each temperature
 
 
 def test_the_api_imports_no_torch_and_the_builtin_algorithms_use_only_the_api():

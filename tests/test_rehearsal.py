@@ -193,7 +193,7 @@ def test_timing_past_its_budget_drops_clear_losers_by_their_warm_up_and_stops_af
 def test_the_evaluation_batch_search_stops_where_a_larger_batch_no_longer_pays(monkeypatch):
     """A per-sample cost that is flat past 64 (a CNN on the CPU): the search stops after 128 and keeps 64, instead
     of going on to 16384, whose activations would be the evaluation's peak memory."""
-    from fedpilot.engine import evaluate
+    from fedpilot.engine.accel import evaluate
 
     rates = {16: 5.0, 32: 3.0, 64: 2.0, **{b: 1.98 - b * 1e-6 for b in evaluate.FORWARD_BATCHES[3:]}}
     sizes: list[int] = []

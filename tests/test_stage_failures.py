@@ -186,11 +186,11 @@ def test_a_non_finite_aggregate_stops_before_the_server_steps_on_it():
     shared = federated.shared_params()
     with pytest.raises(Diverged, match=r"stage 'agg' diverged at round 1: the aggregated update is not finite "
                                        r"\(last finite training loss: 0\.5\)"):
-        federated.check_finite(0, 0.5, {n: torch.full_like(p, math.inf) for n, p in shared.items()})
+        federated.guard.check_finite(0, 0.5, {n: torch.full_like(p, math.inf) for n, p in shared.items()})
     with pytest.raises(Diverged, match=r"the training loss is not finite \(last finite training loss: none"):
-        federated.check_finite(0, math.nan, {})
-    federated.check_finite(0, 0.25, {n: torch.zeros_like(p) for n, p in shared.items()})
-    assert federated.last_finite_loss == 0.25
+        federated.guard.check_finite(0, math.nan, {})
+    federated.guard.check_finite(0, 0.25, {n: torch.zeros_like(p) for n, p in shared.items()})
+    assert federated.guard.last_finite_loss == 0.25
 
 
 def test_a_search_whose_trials_diverge_counts_them_as_pruned_and_ends(workdir):

@@ -149,7 +149,7 @@ def run(model_fn, personal, data, task, execution, chunk, algorithm="fedalt", lo
     config = StageConfig(rounds=rounds, clients_per_round=7, max_parallel_clients=chunk, eval_every=rounds,
                          local=local or LocalConfig(steps=2, batch_size=4, lr=0.1))
     stage = stage_for(model, names, data, build_algorithm(algorithm), config, seed=5, task=task)
-    stage.execution = execution
+    stage.executor_choice.pin(execution)
     fit(stage)
     return {n: p.detach().clone() for n, p in stage.model.named_parameters()}, stage
 

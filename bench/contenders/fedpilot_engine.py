@@ -49,7 +49,7 @@ def stage_for(work: Workload, rounds: int, execution: str = "auto", precision: s
                          local=LocalConfig(epochs=work.epochs, batch_size=work.batch_size, lr=work.lr))
     stage = FederatedStage(model, ParamSplit.of(model, []), federated_data(work), build_algorithm("fedavg"), config,
                            seed=work.seed)
-    stage.execution = execution  # "sequential" is the tests' reference, not a spec value
+    stage.executor_choice.pin(execution)  # "sequential" is the tests' reference, not a spec value
     return stage
 
 

@@ -3,10 +3,24 @@ by entry points: groups `fedpilot.algorithms`, `fedpilot.models`, `fedpilot.sour
 which use nothing else. Names here are stable; everything else in fedpilot is private (fedpilot.testing holds the
 public test helpers).
 
-- an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`), which sees a `Cohort`
-  (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side (`Aggregator`,
-  `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`); it declares what is worth tuning in
-  `tunable` (`Tunable` ranges by stage key; `step_size()` for a step size), which `space: auto` searches;
+- an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`, as `self.params`), which
+  sees a `Cohort` (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side
+  (`Aggregator`, `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`); it declares what is
+  worth tuning in `tunable` (`Tunable` ranges by stage key; `step_size()` for a step size), which `space: auto`
+  searches;
+- the shapes a `Cohort` deals in: the engine hands an algorithm a round's cohort chunk by chunk. Everything per
+  client is per client of the chunk, [K, ...] in the order of `cohort.clients` (`personal`, `constants`, `state`,
+  `weights`, what `sgd` and `gradient` return, an `Upload`'s tensors), except a per-client `steps` tensor for `sgd`
+  or `gradient`, which is per client of the whole cohort, [R] in the order of `cohort.cohort_clients` (the round's
+  batch plan is drawn once for every chunk), and the federation's tensors ([n_clients], by client id: a server
+  state's). `cohort.chunk_of(values)` takes the chunk's rows of a whole-cohort tensor; `cohort.per_client(values,
+  like)` (and `per_client` for formula code) shapes a [K] tensor to broadcast against [K, ...] ones; a `steps`
+  tensor or an argument of these two of the wrong length is an error that says which length is expected;
+- per-client constants (`Algorithm.constants`): buffers of the model (registered by the algorithm's
+  `prepare_model`) each client holds its own value of, set through `cohort.constants`; the algorithm's `forward`
+  sees a client's values in `params` in training and evaluation, no local step changes them, and a client that
+  never took part has the buffer's value. `Algorithm.models_forward` says whether the model's own forward applies
+  (no `forward` override, no constants);
 - a model: built as `model(input_shape, num_classes, **options)`, like the built-in ones: a function that returns a
   `Net(body, head)`, or a `Net` subclass (its options: the keyword parameters after those two, typed by their
   annotations);
@@ -16,8 +30,9 @@ public test helpers).
   `UserError`, the root of every error a user can fix);
 - `Tensors`: `dict[str, torch.Tensor]`, tensors by parameter name (parameters, gradients, masks, client state).
 
-Deprecated: `Params`, the old name of `Tensors`, kept for one release; it read like `Algorithm.Params` (`self.p`),
-the hyperparameter class, which is a different thing. Importing it warns.
+Deprecated, kept for one release: `Params`, the old name of `Tensors` (it read like `Algorithm.Params`, the
+hyperparameter class, which is a different thing; importing it warns), and `Algorithm.p`, the old name of
+`Algorithm.params` (reading it warns).
 
 Importing this module is cheap (no torch); the names that need torch or numpy load them on first use.
 """
@@ -46,6 +61,7 @@ _LAZY = {
     "WeightedMean": "fedpilot.engine.aggregate",  # the default aggregator, to subclass
     "LocalConfig": "fedpilot.engine.config",  # the stage's `local` block (cohort.local)
     "round_generator": "fedpilot.engine.batches",  # a torch.Generator seeded by (seed, stage, round, ...)
+    "per_client": "fedpilot.engine.executor",  # a [K] tensor shaped to broadcast against [K, ...] ones
     "Net": "fedpilot.models.zoo",  # a model: head(body(x)); a plugin model returns one or subclasses it
     "Source": "fedpilot.data.config",  # a dataset source: options (pydantic fields) and `load`
     "RawData": "fedpilot.data.sources",  # what a source's `load` returns: features, targets, natural clients

@@ -132,8 +132,7 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
                          max_parallel_clients=chunk, eval_every=2, precision=precision)
     built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else copy.deepcopy(algorithm)
     stage = stage_for(net, names, data or ToyData(), built, config, seed=3)
-    stage.execution = execution
-    stage.clients_per_call = {execution: per_call} if per_call else {}
+    stage.executor_choice.pin(execution, per_call)
     fit(stage)
     shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
     bank = {n: stage.bank.tensor(n).clone() for n in names}

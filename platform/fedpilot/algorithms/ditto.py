@@ -48,6 +48,6 @@ class Ditto(Algorithm):
 
     def local_update(self, cohort: Cohort) -> Upload:
         global_update = cohort.sgd("shared")
-        cohort.personal = cohort.sgd("personal", lr=self.p.lr_v, steps=self.p.personal_steps, prox=self.p.lam,
-                                     reference=cohort.shared).personal
+        cohort.personal = cohort.sgd("personal", lr=self.params.lr_v, steps=self.params.personal_steps,
+                                     prox=self.params.lam, reference=cohort.shared).personal
         return Upload(shared=global_update.shared)

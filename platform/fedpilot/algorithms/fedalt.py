@@ -41,5 +41,5 @@ class FedAlt(Algorithm):
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = cohort.sgd("personal", lr=self.p.lr_v, steps=self.p.tau_v).personal
-        return Upload(shared=cohort.sgd("shared", lr=self.p.lr_u, steps=self.p.tau_u).shared)
+        cohort.personal = cohort.sgd("personal", lr=self.params.lr_v, steps=self.params.tau_v).personal
+        return Upload(shared=cohort.sgd("shared", lr=self.params.lr_u, steps=self.params.tau_u).shared)

@@ -44,4 +44,4 @@ class FedProx(Algorithm):
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        return Upload(shared=cohort.sgd("shared", prox=self.p.mu, reference=cohort.shared).shared)
+        return Upload(shared=cohort.sgd("shared", prox=self.params.mu, reference=cohort.shared).shared)

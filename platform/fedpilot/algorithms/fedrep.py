@@ -44,5 +44,5 @@ class FedRep(Algorithm):
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = cohort.sgd("personal", lr=self.p.lr_head, epochs=self.p.head_epochs).personal
-        return Upload(shared=cohort.sgd("shared", lr=self.p.lr_body, epochs=self.p.body_epochs).shared)
+        cohort.personal = cohort.sgd("personal", lr=self.params.lr_head, epochs=self.params.head_epochs).personal
+        return Upload(shared=cohort.sgd("shared", lr=self.params.lr_body, epochs=self.params.body_epochs).shared)

@@ -32,6 +32,6 @@ class FedSim(Algorithm):
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:
-        local = cohort.sgd("all", lr={"shared": self.p.lr_u, "personal": self.p.lr_v}, steps=self.p.tau)
+        local = cohort.sgd("all", lr={"shared": self.params.lr_u, "personal": self.params.lr_v}, steps=self.params.tau)
         cohort.personal = local.personal
         return Upload(shared=local.shared)

@@ -142,8 +142,8 @@ class Ffgg(Stateless):
 
     def local_update(self, cohort: Cohort) -> Upload:
         model = self.client_model(cohort)
-        cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau, model)  # Algorithm 2
-        grad = cohort.gradient("shared", epochs=self.p.grad_epochs, shared=model)
+        cohort.personal = personal_steps(cohort, self.params.lr_w, self.params.tau, model)  # Algorithm 2
+        grad = cohort.gradient("shared", epochs=self.params.grad_epochs, shared=model)
         return Upload(grad=grad, weight=torch.ones_like(cohort.weights))
 
     def client_model(self, cohort: Cohort) -> Tensors | None:
@@ -168,13 +168,13 @@ class LocalFfgg(Stateless):
     tunable = {"params.lr_w": step_size("local.lr"), "params.lr_theta": step_size("local.lr")}
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = personal_steps(cohort, self.p.lr_w, self.p.tau)  # Algorithm 2
-        budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.p.alt_steps)
+        cohort.personal = personal_steps(cohort, self.params.lr_w, self.params.tau)  # Algorithm 2
+        budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.params.alt_steps)
         theta = None
         for k in range(int(budget.max())):
             active = (budget > k).long()
-            cohort.personal = personal_steps(cohort, self.p.lr_w, active, theta)
-            theta = cohort.sgd("shared", lr=self.p.lr_theta, steps=active, shared=theta).shared
+            cohort.personal = personal_steps(cohort, self.params.lr_w, active, theta)
+            theta = cohort.sgd("shared", lr=self.params.lr_theta, steps=active, shared=theta).shared
         return Upload(shared=theta, weight=torch.ones_like(cohort.weights))
 
 
@@ -192,11 +192,11 @@ class AsyncFfgg(Ffgg):
     Params = AsyncFfggParams
 
     def aggregator(self) -> RecentModels:
-        return RecentModels(self.p.max_delay)
+        return RecentModels(self.params.max_delay)
 
     def client_model(self, cohort: Cohort) -> Tensors:
         models = {**cohort.server_state.get("models", {}), cohort.round: cohort.shared}
-        delays = draw_delays(cohort.round_key, cohort.cohort_size, self.p.max_delay)[cohort.rows]
+        delays = cohort.chunk_of(draw_delays(cohort.round_key, cohort.cohort_size, self.params.max_delay))
         origin = (cohort.round - delays).clamp_min(min(models))
         return {n: torch.stack([models[int(r)][n] for r in origin]) for n in cohort.shared}
 
@@ -229,24 +229,24 @@ class RobustFfgg(Ffgg):
     Params = RobustFfggParams
 
     def aggregator(self) -> RobustAggregate:
-        return RobustAggregate(self.p.rule, self.p.bucket_size, self.p.trim)
+        return RobustAggregate(self.params.rule, self.params.bucket_size, self.params.trim)
 
     def local_update(self, cohort: Cohort) -> Upload:
         upload = super().local_update(cohort)
         seed, stage = cohort.round_key[:2]
-        byzantine = byzantine_clients(seed, stage, cohort.n_clients, self.p.byzantine_fraction)
+        byzantine = byzantine_clients(seed, stage, cohort.n_clients, self.params.byzantine_fraction)
         bad = torch.isin(cohort.clients.cpu(), byzantine).to(cohort.weights.device)
         sent = self.attack(cohort, upload.grad)
-        upload.grad = {n: torch.where(bad.view(-1, *[1] * (g.dim() - 1)), sent[n], g) for n, g in upload.grad.items()}
+        upload.grad = {n: torch.where(cohort.per_client(bad, g), sent[n], g) for n, g in upload.grad.items()}
         return upload
 
     def attack(self, cohort: Cohort, grads: Tensors) -> Tensors:
         """What Byzantine clients send instead of their honest `grads` [K, ...]."""
-        scale = self.p.attack_scale
-        if self.p.attack == "sign_flip":
+        scale = self.params.attack_scale
+        if self.params.attack == "sign_flip":
             return {n: -scale * g for n, g in grads.items()}
         gen = round_generator(*cohort.round_key, 0, ATTACK_NOISE)
-        return {n: scale * torch.randn((cohort.cohort_size, *g.shape[1:]), generator=gen)[cohort.rows].to(g)
+        return {n: scale * cohort.chunk_of(torch.randn((cohort.cohort_size, *g.shape[1:]), generator=gen)).to(g)
                 for n, g in grads.items()}
 
 

@@ -34,16 +34,16 @@ class Finetune(Algorithm):
 
     @property
     def personal_part(self) -> str | None:
-        return "all" if self.p.part == "all" else None
+        return "all" if self.params.part == "all" else None
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]
         """part: personal fine-tunes the personal parameters, so the split must have some."""
-        return frozenset({"personal"}) if self.p.part == "personal" else frozenset()
+        return frozenset({"personal"}) if self.params.part == "personal" else frozenset()
 
     def local_update(self, cohort: Cohort) -> Upload:
         start = dict(cohort.personal)
-        cohort.personal = cohort.sgd("personal", prox=self.p.prox, reference=start).personal
+        cohort.personal = cohort.sgd("personal", prox=self.params.prox, reference=start).personal
         return Upload()
 
 

@@ -13,7 +13,8 @@ a masked hidden unit gets no input and passes nothing on), so a client's trainin
 does not hold, and its upload carries the per-entry mask the engine's per-index aggregation uses (pFedGate's).
 
 Choices: rates are drawn once per client from `rates` (values and shares; algorithms/resources.py), seeded by the
-pipeline seed, and kept as a personal scalar `width.rate` of the model; the per-entry mean is uniform over the
+pipeline seed, and kept as the per-client constant `width.rate` (a buffer of the model, Algorithm.constants); the
+per-entry mean is uniform over the
 holders (the authors' code); HeteroFL's static batch norm is not needed (the zoo has no batch norm) and its
 "scaler" (outputs divided by p_i in training) is left out. Width scaling covers chains of Linear and Conv2d layers
 with biases (`mlp`, `logreg`, `cnn`), found in call order by a forward of a zero input: the hidden units of a
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedpilot.algorithms.resources import Levels, assign
+from fedpilot.algorithms.resources import Levels
 from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload, step_size
 
 # (module name, out units, in units, inputs per in unit, outputs are hidden, inputs are hidden, kernel size)
@@ -43,12 +44,13 @@ PASS_THROUGH = (nn.ReLU, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sig
 
 
 class WidthMask(nn.Module):
-    """A client's width rate p (personal, never trained) and which entries of each layer its sub-model holds."""
+    """Which entries of each layer a client's sub-model holds, at its width rate p: the buffer `rate` (1: the whole
+    model), which each client's own value replaces (HeteroFL's per-client constant `width.rate`)."""
 
     def __init__(self, layers: list[Layer]):
         super().__init__()
         self.layers = layers
-        self.rate = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("rate", torch.tensor(1.0))
 
     def masks(self, rate: torch.Tensor) -> Tensors:
         """0/1 masks of the sub-model at width `rate`, for every weight and bias of the layers."""
@@ -63,7 +65,7 @@ class WidthMask(nn.Module):
 
     def forward(self, params: Tensors) -> Tensors:
         """The parameters of the sub-model at this client's rate (the others zero)."""
-        masks = self.masks(self.rate.detach())
+        masks = self.masks(self.rate)
         return {n: v * masks[n] if n in masks else v for n, v in params.items()}
 
 
@@ -148,10 +150,11 @@ class HeteroFL(Algorithm):
     name = "heterofl"
     Params = HeteroFLParams
     tunable = {"local.lr": step_size()}
+    constants = frozenset({"width.rate"})
 
     @property
     def personal_part(self) -> Any:
-        return [r"width\.rate"]
+        return "none"  # a client's own is its rate, a per-client constant, not a parameter
 
     def prepare_model(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:
         """Give the model its `width` (once): its Linear/Conv2d layers in call order, the last one (the head) keeping
@@ -167,21 +170,21 @@ class HeteroFL(Algorithm):
         model.width = WidthMask(layers).to(next(model.parameters()).device)
 
     def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
-        """The client's sub-model: the model with the entries outside its width masked."""
-        width = {"rate": params["width.rate"]}
-        weights = {n: v for n, v in params.items() if n != "width.rate"}
+        """The client's sub-model: the model with the entries outside its width masked (at its rate `width.rate`,
+        else, for the model as it stands, the buffer's)."""
+        width = {n.removeprefix("width."): v for n, v in params.items() if n.startswith("width.")}
+        weights = {n: v for n, v in params.items() if not n.startswith("width.")}
         return functional_call(model, functional_call(model.width, width, (weights,)), (x,))
 
     def client_state(self) -> dict[str, torch.Tensor]:
         return {"rate": torch.zeros(())}
 
     def local_update(self, cohort: Cohort) -> Upload:
-        rates = self.p.rates.per_client(cohort.round_key[0], cohort.n_clients)
-        assign(cohort, "width.rate", rates)
-        local = cohort.sgd("shared")  # the rate is personal: read, never trained
-        mine = cohort.personal["width.rate"]
-        masks = torch.vmap(cohort.model.width.masks)(mine)
+        rates = self.params.rates.of(cohort)
+        cohort.constants = {"width.rate": rates}
+        local = cohort.sgd("shared")
+        masks = torch.vmap(cohort.model.width.masks)(rates)
         mask = {n: masks[n] if n in masks else torch.ones_like(v) for n, v in local.shared.items()}
-        cohort.state = {"rate": mine}
-        return Upload(shared=local.shared, mask=mask, weight=torch.ones(len(cohort), device=mine.device))
+        cohort.state = {"rate": rates}
+        return Upload(shared=local.shared, mask=mask, weight=torch.ones(len(cohort), device=rates.device))
 

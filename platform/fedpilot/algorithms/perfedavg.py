@@ -48,9 +48,9 @@ class PerFedAvg(Algorithm):
         k = len(cohort)
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         beta = cohort.local.lr * cohort.lr_factor
-        for _ in range(self.p.tau):
+        for _ in range(self.params.tau):
             first = cohort.gradient("shared", steps=1, shared=w)
-            temp = {n: v - self.p.alpha * first[n] for n, v in w.items()}
+            temp = {n: v - self.params.alpha * first[n] for n, v in w.items()}
             meta = cohort.gradient("shared", steps=1, shared=temp)
             w = {n: v - beta * meta[n] for n, v in w.items()}
         return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))

@@ -53,37 +53,57 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedpilot.algorithms.resources import Levels, assign, in_graph
+from fedpilot.algorithms.resources import Levels
 from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Tunable, Upload, step_size
 
 EXACT_MAX_FREE_BLOCKS = 16  # 2^16 subsets: `auto` solves the knapsack exactly up to here
 
 
+def block_layout(shapes: dict[str, torch.Size], blocks: int, s_min: float) -> list[list[int]]:
+    """Each parameter tensor's blocks (Sec. 5.2.2): their sizes, the first one always kept."""
+    layout = []
+    for shape in shapes.values():
+        d = math.prod(shape)
+        first = min(d, max(1, math.floor(d * s_min)))
+        layout.append([first, *(len(c) for c in torch.arange(d - first).tensor_split(blocks - 1) if len(c))])
+    return layout
+
+
+def layout_problem(layout: list[list[int]], smallest_budget: float, knapsack: str) -> tuple[str, str] | None:
+    """Why a block layout does not work with these options: (the option at fault, the problem), or None."""
+    if sum(sizes[0] for sizes in layout) > smallest_budget * sum(sum(sizes) for sizes in layout):
+        return "s_min", f"the always-kept first blocks exceed the budget s={smallest_budget}"
+    free = sum(len(sizes) - 1 for sizes in layout)
+    if knapsack == "exact" and free > EXACT_MAX_FREE_BLOCKS:
+        return "knapsack", (f"{free} free blocks: 2^{free} subsets is too many to enumerate (at most "
+                            f"{EXACT_MAX_FREE_BLOCKS}); use greedy or fewer blocks")
+    return None
+
+
 class BlockGate(nn.Module):
-    """The gating layer of one client, its budget s_i, and the fixed block layout of the model it scales."""
+    """The gating layer of one client, the fixed block layout of the model it scales, and its budget s_i: a buffer
+    holding `s`, which each client's own value replaces (pFedGate's per-client constant `gate.budget`)."""
 
     def __init__(self, input_dim: int, shapes: dict[str, torch.Size], blocks: int, s: float, s_min: float,
                  knapsack: str = "auto", smallest_budget: float | None = None):
         super().__init__()
         self.names = list(shapes)
+        layout = block_layout(shapes, blocks, s_min)
+        problem = layout_problem(layout, s if smallest_budget is None else smallest_budget, knapsack)
+        if problem is not None:  # options a spec gives are checked before the gate is built (PFedGate.prepare_model)
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         sizes: list[int] = []
         forced: list[bool] = []
-        for i, shape in enumerate(shapes.values()):
-            d = math.prod(shape)
-            first = min(d, max(1, math.floor(d * s_min)))
-            rest = [len(c) for c in torch.arange(d - first).tensor_split(blocks - 1) if len(c)]
+        for i, (shape, tensor_blocks) in enumerate(zip(shapes.values(), layout, strict=True)):
             start = len(sizes)
-            sizes += [first, *rest]
-            forced += [True] + [False] * len(rest)
-            owner = torch.repeat_interleave(torch.arange(start, len(sizes)), torch.tensor([first, *rest]))
+            sizes += tensor_blocks
+            forced += [True] + [False] * (len(tensor_blocks) - 1)
+            owner = torch.repeat_interleave(torch.arange(start, len(sizes)), torch.tensor(tensor_blocks))
             self.register_buffer(f"element_block_{i}", owner.view(shape))
         self.register_buffer("block_size", torch.tensor(sizes, dtype=torch.float32))
         self.register_buffer("forced", torch.tensor(forced))
-        smallest = s if smallest_budget is None else smallest_budget
-        if float(self.block_size[self.forced].sum()) > smallest * float(self.block_size.sum()):
-            raise SpecError("params.s_min", s_min, f"the always-kept first blocks exceed the budget s={smallest}")
         self.exact = self._knapsack(knapsack)
-        self.budget = nn.Parameter(torch.tensor(float(s)))  # s_i: personal, set per client, never trained
+        self.register_buffer("budget", torch.tensor(float(s)))  # s_i: each client's own value replaces it
         self.norm = nn.LayerNorm(input_dim)
         self.gates = nn.Linear(input_dim, len(sizes))
         self.importance = nn.Linear(input_dim, len(sizes))
@@ -92,9 +112,6 @@ class BlockGate(nn.Module):
         """Whether Eq. 6 is solved exactly; then every subset of the free blocks and its size, as buffers."""
         free = torch.nonzero(~self.forced).flatten()
         exact = knapsack == "exact" or (knapsack == "auto" and len(free) <= EXACT_MAX_FREE_BLOCKS)
-        if knapsack == "exact" and len(free) > EXACT_MAX_FREE_BLOCKS:
-            raise SpecError("params.knapsack", knapsack, f"{len(free)} free blocks: 2^{len(free)} subsets is too "
-                            f"many to enumerate (at most {EXACT_MAX_FREE_BLOCKS}); use greedy or fewer blocks")
         if exact:
             bits = torch.arange(2 ** len(free))[:, None].bitwise_right_shift(torch.arange(len(free))) & 1
             self.register_buffer("subsets", bits.float(), persistent=False)  # [2^F, F]
@@ -123,7 +140,7 @@ class BlockGate(nn.Module):
     def forward(self, params: Tensors, x: torch.Tensor) -> Tensors:
         """The model's parameters scaled block-wise by M~ = I_ST * M for this batch."""
         m, g = self.predict(x)
-        scale = (self.select(g.detach(), self.budget.detach()) - g.detach() + g) * m + in_graph(self.budget)
+        scale = (self.select(g.detach(), self.budget) - g.detach() + g) * m
         return {n: params[n] * scale[getattr(self, f"element_block_{i}")] for i, n in enumerate(self.names)}
 
     def density(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,32 +186,34 @@ class PFedGateParams(AlgorithmParams):
 
 
 class PFedGate(Algorithm):
-    """Sparse personalized models from per-client gating layers over a shared model; sparse uploads."""
+    """Sparse personalized models from per-client gating layers over a shared model; sparse uploads. Each client's
+    budget s_i is a per-client constant, `gate.budget` (Algorithm.constants)."""
 
     name = "pfedgate"
     Params = PFedGateParams
     tunable = {"local.lr": step_size(), "params.lr_gate": step_size("local.lr"),
                "params.s": Tunable(0.1, 1.0, log=False, budget=True)}
+    constants = frozenset({"gate.budget"})
 
     @property
     def personal_part(self) -> Any:
         return [r"gate\..*"]
 
     def prepare_model(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:
-        """Give the model its gating layer `gate` (once; a later pFedGate stage reuses it)."""
+        """Give the model its gating layer `gate` (once; a later pFedGate stage reuses it), its options checked
+        against the model's parameters first (a SpecError naming the option)."""
         if isinstance(getattr(model, "gate", None), BlockGate):
             return
-        if not hasattr(model, "body") or not hasattr(model, "head"):
-            raise SpecError("model", type(model).__name__, "pFedGate needs a fedpilot model (body -> head)")
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        like = next(model.parameters())
-        p = self.p
-        model.gate = BlockGate(math.prod(input_shape), shapes, p.blocks, p.s, p.s_min, p.knapsack,
-                               p.smallest_budget).to(like.device)
+        shapes, p = {n: v.shape for n, v in model.named_parameters()}, self.params
+        problem = layout_problem(block_layout(shapes, p.blocks, p.s_min), p.smallest_budget, p.knapsack)
+        if problem is not None:
+            raise SpecError(f"params.{problem[0]}", getattr(p, problem[0]), problem[1])
+        gate = BlockGate(math.prod(input_shape), shapes, p.blocks, p.s, p.s_min, p.knapsack, p.smallest_budget)
+        model.gate = gate.to(next(model.parameters()).device)
 
     def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         """The model with its weights scaled block-wise by this batch's sparse gated weights M~ (Eq. 6); `params`
-        holds the client's gate (`gate.*`) next to the model's own parameters."""
+        holds the client's gate (`gate.*`, its budget too) next to the model's own parameters."""
         gate = {n.removeprefix("gate."): v for n, v in params.items() if n.startswith("gate.")}
         weights = {n: v for n, v in params.items() if not n.startswith("gate.")}
         return functional_call(model, functional_call(model.gate, gate, (weights, x)), (x,))
@@ -204,35 +223,31 @@ class PFedGate(Algorithm):
                 "upload_bytes": torch.zeros(())}
 
     def local_update(self, cohort: Cohort) -> Upload:
-        budgets = self.budgets(cohort)
-        assign(cohort, "gate.budget", budgets)
-        local = cohort.sgd("all", lr={"shared": None, "personal": self.p.lr_gate})
-        assign(cohort, "gate.budget", budgets, local.personal)
+        cohort.constants = {"gate.budget": self.budgets(cohort)}
+        local = cohort.sgd("all", lr={"shared": None, "personal": self.params.lr_gate})
+        cohort.personal = local.personal
         mask = {n: (v != cohort.shared[n]).to(v.dtype) for n, v in local.shared.items()}
         sent = sum(m.flatten(1).sum(1) for m in mask.values())
         total = sum(v.numel() for v in cohort.shared.values())
         element = next(iter(cohort.shared.values())).element_size()
-        cohort.state = {"budget": cohort.personal["gate.budget"], "model_density": self._density(cohort),
+        cohort.state = {"budget": cohort.constants["gate.budget"], "model_density": self._density(cohort),
                         "upload_density": sent / total, "upload_bytes": sent * element}
         return Upload(shared=local.shared, mask=mask)
 
     def adapt(self, cohort: Cohort) -> None:
         """A novel client trains its gating layer alone, on its own budget, with the global model fixed (Chen et al.,
         ICML 2023, novel clients' participation)."""
-        budgets = self.budgets(cohort)
-        assign(cohort, "gate.budget", budgets)
-        personal = cohort.sgd("personal", lr={"shared": None, "personal": self.p.lr_gate}).personal
-        assign(cohort, "gate.budget", budgets, personal)
+        cohort.constants = {"gate.budget": self.budgets(cohort)}
+        cohort.personal = cohort.sgd("personal", lr={"shared": None, "personal": self.params.lr_gate}).personal
 
     def budgets(self, cohort: Cohort) -> torch.Tensor:
-        """Every client's s_i [n_clients]: the single s, or drawn from `budgets` by the pipeline's seed."""
-        if self.p.budgets is None:
-            return torch.full((cohort.n_clients,), self.p.s)
-        return self.p.budgets.per_client(cohort.round_key[0], cohort.n_clients)
+        """The chunk's clients' s_i [K]: the single s, or drawn from `budgets` by the pipeline's seed."""
+        if self.params.budgets is None:
+            return torch.full((len(cohort),), self.params.s, device=cohort.clients.device)
+        return self.params.budgets.of(cohort)
 
     def _density(self, cohort: Cohort) -> torch.Tensor:
         """Each client's kept fraction of the shared model on its first training batch, with its own gate."""
-        gate = {n.removeprefix("gate."): v for n, v in cohort.personal.items()}
         module = _Density(cohort.model.gate)
-        return vmap(lambda p, xb: functional_call(module, {f"gate.{n}": v for n, v in p.items()}, (xb,)))(
-            gate, cohort.train_inputs(cohort.local.batch_size))
+        return vmap(lambda own, xb: functional_call(module, own, (xb,)))(cohort.own, cohort.train_inputs(
+            cohort.local.batch_size))

@@ -56,8 +56,8 @@ class PFedMe(Algorithm):
         w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
         cohort.personal = {n: v.clone() for n, v in w.items()}
         eta = cohort.local.lr * cohort.lr_factor
-        for _ in range(self.p.local_rounds):
-            cohort.personal = cohort.sgd("personal", lr=self.p.lr_personal, steps=self.p.inner_steps,
-                                         prox=self.p.lam, reference=w).personal
-            w = {n: v - eta * self.p.lam * (v - cohort.personal[n]) for n, v in w.items()}
+        for _ in range(self.params.local_rounds):
+            cohort.personal = cohort.sgd("personal", lr=self.params.lr_personal, steps=self.params.inner_steps,
+                                         prox=self.params.lam, reference=w).personal
+            w = {n: v - eta * self.params.lam * (v - cohort.personal[n]) for n, v in w.items()}
         return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))

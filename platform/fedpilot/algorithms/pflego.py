@@ -84,11 +84,11 @@ class Pflego(Algorithm):
         return WeightedSum()
 
     def local_update(self, cohort: Cohort) -> Upload:
-        if self.p.tau > 1:
-            cohort.personal = cohort.sgd("personal", lr=self.p.beta, steps=self.p.tau - 1).personal
+        if self.params.tau > 1:
+            cohort.personal = cohort.sgd("personal", lr=self.params.beta, steps=self.params.tau - 1).personal
         grads = cohort.gradient("all", steps=1)
-        step = self.p.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i
-        cohort.personal = {n: v - _rows(step, v) * grads[n] for n, v in cohort.personal.items()}
+        step = self.params.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i
+        cohort.personal = {n: v - cohort.per_client(step, v) * grads[n] for n, v in cohort.personal.items()}
         return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=step)
 
 
@@ -96,8 +96,3 @@ def unbiased_weights(cohort: Cohort) -> torch.Tensor:
     """alpha_i * I / r for the cohort's clients [K]: data share times inverse participation probability."""
     alpha = cohort.weights / cohort.total_train_samples
     return alpha * (cohort.n_clients / cohort.cohort_size)
-
-
-def _rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A [K] tensor shaped to broadcast over a [K, ...] tensor."""
-    return values.to(like.dtype).view(-1, *[1] * (like.dim() - 1))

@@ -1,5 +1,5 @@
-"""Heterogeneous client resources (pFedGate: Chen et al., ICML 2023): each client i has its own level, pFedGate's sparsity budget s_i or
-HeteroFL's width rate p_i, drawn once per client and fixed for the stage.
+"""Heterogeneous client resources (pFedGate: Chen et al., ICML 2023): each client i has its own level, pFedGate's
+sparsity budget s_i or HeteroFL's width rate p_i, drawn once per client and fixed for the stage.
 
 `Levels` gives them as a distribution over a set of values, as in pFedGate's experiments ("the full model for
 10% of the clients and 50% of the parameters for the other 90%": values [1.0, 0.5], shares [0.1, 0.9]). Clients
@@ -7,11 +7,10 @@ are assigned by a permutation seeded by the pipeline's seed alone, so a client's
 stage, the round or the chunking, and the shares are exact (the first round(share * n) clients of the permutation
 take the first value, and so on; rounding goes to the last value).
 
-A level reaches the client's model as a personal scalar parameter of the module the algorithm adds to the model
-(so the client's forward sees it in training and in evaluation), kept in the graph with a zero gradient
-(`in_graph`); `assign` writes each client's level before local training and again after it, so no optimizer step
-(weight decay, a prox pull) ever changes it. A client that never
-took part in a stage keeps the module's initial value (the single level) in that stage's evaluation.
+A level reaches the client's model as a per-client constant (Algorithm.constants): a buffer of the module the
+algorithm adds to the model, which the client's own value replaces in training and in evaluation, and which no
+local step changes. A client that never took part in a stage keeps the buffer's value (the single level) in that
+stage's evaluation.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import math
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fedpilot.api import Cohort, Tensors, round_generator
+from fedpilot.api import Cohort, round_generator
 
 LEVELS = 5  # tag of the seeded permutation (never a batch plan's phase key)
 
@@ -45,6 +44,10 @@ class Levels(BaseModel):
                 raise ValueError(f"shares={self.shares}: must sum to 1")
         return self
 
+    def of(self, cohort: Cohort) -> torch.Tensor:
+        """The levels of the cohort's clients [K] (float32), on their device."""
+        return self.per_client(cohort.round_key[0], cohort.n_clients).to(cohort.clients.device)[cohort.clients]
+
     def per_client(self, seed: int, n_clients: int) -> torch.Tensor:
         """Each client's level [n_clients] (float32)."""
         shares = self.shares or [1.0 / len(self.values)] * len(self.values)
@@ -53,16 +56,3 @@ class Levels(BaseModel):
         levels = torch.repeat_interleave(torch.tensor(self.values), torch.tensor(counts).clamp_min(0))[:n_clients]
         order = torch.randperm(n_clients, generator=round_generator(seed, LEVELS))
         return torch.empty(n_clients).index_put_((order,), levels)
-
-
-def in_graph(level: torch.Tensor) -> torch.Tensor:
-    """0 * level, added to what the level decides: the engine's local SGD differentiates every trained personal
-    parameter and its eager executors need each one in the graph; this puts the level there with a zero gradient."""
-    return 0.0 * level
-
-
-def assign(cohort: Cohort, name: str, levels: torch.Tensor, personal: Tensors | None = None) -> None:
-    """Set the cohort's personal parameter `name` [K] to its clients' rows of `levels` [n_clients] (in `personal`,
-    else in the cohort's current personal parameters)."""
-    values = levels.to(cohort.personal[name].device)[cohort.clients]
-    cohort.personal = {**(personal if personal is not None else cohort.personal), name: values}

@@ -47,9 +47,8 @@ scalar synthetic problem (tests/test_algo_selffl.py). Choices where the paper is
 * What the server broadcasts for the other clients' weights: s0 and the total precision P = sum_k w_k over
   ALL clients, each with its last reported s_k (0 before its first report: the paper's initial s = 0). A
   client subtracts its own term, W_-m = P - w_m. The server keeps the reported s_k (one scalar per client,
-  `server_state["variance"]`); as the engine draws one batch plan for the whole cohort before cutting it
-  into chunks, every chunk computes the cohort's l_m from that copy, as it stood at the round's start
-  (identical to each client's own s_m, which the tests check).
+  `server_state["variance"]`); every chunk computes the whole cohort's l_m (a per-client `steps` tensor is
+  the whole cohort's) from that copy as it stood at the round's start, equal to each client's own s_m.
 * First activation: the client has no personal model of its own yet (its personal copy is the stage's
   starting model), so it starts from the broadcast (theta_m^INIT = theta) and, with zero variance, trains
   l_max steps. Its aggregation weight is then 1 / s0.
@@ -98,6 +97,7 @@ from fedpilot.api import (
     Tensors,
     Tunable,
     Upload,
+    per_client,
     step_size,
 )
 
@@ -122,7 +122,7 @@ def local_steps(variance: torch.Tensor, others: torch.Tensor, lr: torch.Tensor, 
 
 def initial_point(personal: Tensors, broadcast: Tensors, coefficient: torch.Tensor) -> Tensors:
     """Eq. 10: theta - c_m (theta_m - theta) with c_m = w_m / W_-m [K]; c_m = 0 starts from the broadcast."""
-    return {n: broadcast[n] - _rows(coefficient, v) * (v - broadcast[n]) for n, v in personal.items()}
+    return {n: broadcast[n] - per_client(coefficient, v) * (v - broadcast[n]) for n, v in personal.items()}
 
 
 def trace_variance(models: Tensors) -> float:
@@ -145,13 +145,8 @@ def welford(count: torch.Tensor, mean: Tensors, variance: torch.Tensor,
     squared = sum(d.reshape(len(d), -1).pow(2).sum(1, dtype=torch.float64) for d in delta.values())
     t64 = t.double()
     variance = (t64 - 1) / t64 * variance.double() + (t64 - 1) / t64.pow(2) * squared
-    mean = {n: m + delta[n] / _rows(t, m) for n, m in mean.items()}
+    mean = {n: m + delta[n] / per_client(t, m) for n, m in mean.items()}
     return t, mean, variance
-
-
-def _rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A [K] tensor shaped to broadcast over a [K, ...] tensor."""
-    return values.to(like.device, like.dtype).view(-1, *[1] * (like.dim() - 1))
 
 
 # ---- the algorithm ------------------------------------------------------------------------------------------
@@ -252,7 +247,7 @@ class SelfFL(Algorithm):
         return "all"
 
     def aggregator(self) -> PrecisionMean:
-        return PrecisionMean(self.p.smoothing, self.p.known.sigma0_sq if self.p.known else None)
+        return PrecisionMean(self.params.smoothing, self.params.known.sigma0_sq if self.params.known else None)
 
     def server_state(self, n_clients: int) -> dict[str, Any]:
         """Each client's last reported variance (0 before its first report: the paper's initial s) and s0."""
@@ -265,9 +260,9 @@ class SelfFL(Algorithm):
     def client_state(self) -> dict[str, torch.Tensor]:
         if not self.shapes:
             raise RuntimeError("Self-FL: call prepare_model(model, input_shape) before building the stage")
-        means = {f"mean.{n}": torch.zeros(shape) for n, shape in self.shapes.items()}
         zero = torch.zeros(())
-        return {"activations": zero, "variance": zero.double(), "steps": zero, **means}
+        return {"activations": zero, "variance": zero.double(), "steps": zero,
+                **{f"mean.{n}": torch.zeros(shape) for n, shape in self.shapes.items()}}
 
     def local_update(self, cohort: Cohort) -> Upload:
         variances, sigma0_sq = self.variances(cohort)
@@ -280,34 +275,31 @@ class SelfFL(Algorithm):
         count, means, variance = welford(cohort.state["activations"], means, cohort.state["variance"],
                                          optimum if optimum is not None else trained)
         cohort.personal = trained
-        cohort.state = {"activations": count, "variance": variance, "steps": steps[cohort.rows].float(),
+        cohort.state = {"activations": count, "variance": variance, "steps": cohort.chunk_of(steps).float(),
                         **{f"mean.{n}": m for n, m in means.items()}}
-        reported = variance if self.p.known is None else variances[cohort.clients.cpu()].to(variance)
+        reported = variance if self.params.known is None else variances[cohort.clients.cpu()].to(variance)
         return SelfFLUpload(shared=trained, clients=cohort.clients, variance=reported, optimum=optimum,
                             previous=previous if optimum is None else None)
 
     def variances(self, cohort: Cohort) -> tuple[torch.Tensor, float]:
         """Every client's s_k [n_clients] and s0 as the round starts: the server's (its clients' last reports and
         its estimate), or the known ones."""
-        if self.p.known is None:
+        if self.params.known is None:
             return cohort.server_state["variance"], cohort.server_state["sigma0_sq"]
         sizes = cohort.train_samples(torch.arange(cohort.n_clients)).cpu().double()
-        return self.p.known.sample_variance / sizes, self.p.known.sigma0_sq
+        return self.params.known.sample_variance / sizes, self.params.known.sigma0_sq
 
     def client_plan(self, cohort: Cohort, variances: torch.Tensor,
                     sigma0_sq: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """From s0 and every client's variance: l_m of the whole cohort (Eq. 8; the engine's batch plan spans every
-        chunk) and this chunk's Eq. 10 coefficients w_m / W_-m (0 at a first activation)."""
-        everyone = cohort.cohort_clients.cpu()
-        variance = variances[everyone]
+        """From s0 and every client's variance: l_m of the whole cohort (Eq. 8; `sgd` takes a per-client `steps`
+        tensor of the whole cohort) and this chunk's Eq. 10 coefficients w_m / W_-m (0 at a first activation)."""
+        variance = variances[cohort.cohort_clients.cpu()]
         own = precision(variance, sigma0_sq)
         others = precision(variances, sigma0_sq).sum() - own  # W_-m = P - w_m
-        sizes = cohort.train_samples(cohort.cohort_clients).cpu().double()
-        lr = cohort.local.lr * cohort.lr_factor / sizes  # the step on the summed loss
-        steps = local_steps(variance, others, lr, self.p.l_max)
+        lr = cohort.local.lr * cohort.lr_factor / cohort.train_samples(cohort.cohort_clients).cpu().double()
+        steps = local_steps(variance, others, lr, self.params.l_max)  # lr: the step on the summed loss
         first = cohort.state["activations"].cpu() == 0
-        coefficient = (own / others)[cohort.rows].masked_fill(first, 0.0)
-        return steps, coefficient
+        return steps, cohort.chunk_of(own / others).masked_fill(first, 0.0)
 
     def local_optimum(self, cohort: Cohort, trained: Tensors) -> Tensors | None:
         """Algorithm 1 uses the personal model itself as the surrogate of the local optimum."""
@@ -328,4 +320,4 @@ class SelfFLAug(SelfFL):
 
     def local_optimum(self, cohort: Cohort, trained: Tensors) -> Tensors | None:
         cohort.personal = trained
-        return cohort.sgd("personal", steps=self.p.optimum_steps).personal
+        return cohort.sgd("personal", steps=self.params.optimum_steps).personal

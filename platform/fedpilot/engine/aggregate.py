@@ -9,7 +9,8 @@ from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
 if TYPE_CHECKING:
     import torch
 
-    from fedpilot.engine.executor import Params
+    from fedpilot.engine.config import ServerConfig
+    from fedpilot.engine.executor import Tensors
 
 
 class WeightedMean(ReducibleAggregator):
@@ -22,12 +23,14 @@ class WeightedMean(ReducibleAggregator):
     """
 
     def __init__(self) -> None:
-        self.total: Params = {}
-        self.weight: Params = {}
+        self.total: Tensors = {}
+        self.weight: Tensors = {}
         self.upload_bytes = 0
 
     def add(self, upload: Upload, info: RoundInfo) -> None:
         import torch
+
+        from fedpilot.engine.executor import per_client
 
         values = upload.grad if upload.grad is not None else upload.shared
         for name, value in values.items():
@@ -37,7 +40,7 @@ class WeightedMean(ReducibleAggregator):
                 total, w_sum = torch.tensordot(w, value, dims=1), w.sum()  # no [K, ...] temporaries
                 self.upload_bytes += value.numel() * value.element_size()
             else:
-                w = w.view(-1, *[1] * (value.dim() - 1)) * mask.to(value.dtype)
+                w = per_client(w, value) * mask.to(value.dtype)
                 total, w_sum = (w * value).sum(0), w.sum(0)
                 self.upload_bytes += int(mask.sum()) * value.element_size()
             if upload.grad is None:  # deltas: sum_k w_k (broadcast - shared_k)
@@ -45,10 +48,10 @@ class WeightedMean(ReducibleAggregator):
             self.total[name] = self.total.get(name, 0) + total
             self.weight[name] = self.weight.get(name, 0) + w_sum
 
-    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
         return self.normalized(), state
 
-    def normalized(self) -> Params:
+    def normalized(self) -> Tensors:
         """The weighted sums divided by their weights."""
         import torch
 
@@ -74,3 +77,12 @@ class WeightedMean(ReducibleAggregator):
             dist.all_reduce(total)
             dist.all_reduce(weight)
             self.total[name], self.weight[name] = total, weight
+
+
+def server_optimizer(server: ServerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer of the shared parameters `params`, which steps on the aggregate (its pseudo-gradient)."""
+    import torch
+
+    if server.optimizer == "adam":
+        return torch.optim.Adam(params, lr=server.lr, betas=server.betas, eps=server.eps)
+    return torch.optim.SGD(params, lr=server.lr, momentum=server.momentum)

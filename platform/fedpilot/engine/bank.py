@@ -1,10 +1,12 @@
-"""Per-client tensors that live across rounds (the personal bank, the algorithm's client state), at the cost of the
-clients that trained: a client's row exists once it was written; every other client reads the shared initial
-value. Rows live on the host, in a file past a memory budget; a cohort's rows travel to its device and back."""
+"""Per-client tensors that live across rounds (the personal bank: personal parameters and per-client constants;
+the algorithm's client state), at the cost of the clients that trained: a client's row exists once it was written;
+every other client reads the shared initial value. Rows live on the host, in a file past a memory budget; a
+cohort's rows travel to its device and back."""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-Params = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
 
 
 class ClientBank(nn.Module):
@@ -21,18 +23,18 @@ class ClientBank(nn.Module):
     file. The module's state (in its state_dict, through extra state) is the written rows only; `since_saved`
     names the clients written since the last `take_changes()`, so checkpoints can write just those."""
 
-    def __init__(self, init: Params, n_clients: int, budget_bytes: int | None = None):
+    def __init__(self, init: Tensors, n_clients: int, budget_bytes: int | None = None):
         super().__init__()
         self.names, self.n_clients, self.budget_bytes = list(init), n_clients, budget_bytes
         self.init = {n: v.detach().to("cpu").clone() for n, v in init.items()}
-        self.rows: Params = {n: v.new_empty((0, *v.shape)) for n, v in self.init.items()}
+        self.rows: Tensors = {n: v.new_empty((0, *v.shape)) for n, v in self.init.items()}
         self.slot: dict[int, int] = {}
         self.since_saved: set[int] = set()
         self.folder: Path | None = None  # where rows are memory-mapped once they pass the budget
         self.chain: list[str] | None = None  # files of the incremental saves, when checkpoints save changes
 
     # ---- reading and writing --------------------------------------------------------------------------------------
-    def get(self, clients: torch.Tensor) -> Params:
+    def get(self, clients: torch.Tensor) -> Tensors:
         """The rows of `clients` [K, ...] on the clients tensor's device (written rows, else the initial value)."""
         ids = clients.tolist()
         slots = torch.tensor([self.slot.get(c, -1) for c in ids], dtype=torch.long)
@@ -45,7 +47,7 @@ class ClientBank(nn.Module):
             out[n] = value.to(clients.device, non_blocking=True)
         return out
 
-    def put(self, clients: torch.Tensor, values: Params) -> None:
+    def put(self, clients: torch.Tensor, values: Tensors) -> None:
         """Write the rows of `clients` (allocating rows for clients written for the first time)."""
         if not self.names:
             return
@@ -123,6 +125,10 @@ class ClientBank(nn.Module):
             torch.save(changes, path)
         self.chain.append(str(path))
 
+    def keep_changes(self, on: bool) -> None:
+        """Checkpoints save this bank as the chain of its changes (on), or as every written row."""
+        self.chain = (self.chain or []) if on else None
+
     def apply(self, saved: dict[str, Any]) -> None:
         """Write the rows of a snapshot (or a change)."""
         if len(saved["clients"]):
@@ -155,7 +161,15 @@ class ClientBank(nn.Module):
         self.put(clients, values)
 
 
-def starting_bank(init: Params, n_clients: int, carried: ClientBank | None = None,
+def save_changes(banks: dict[str, ClientBank], folder: Path, step: int, write: bool, state: dict[str, Any]) -> None:
+    """Each of a stage's `banks` (by attribute name) saves its rows written since the last save as the next link of
+    its chain in `folder` (`write=False`: another process writes it); the checkpoint's `state` names the chain."""
+    for name, bank in banks.items():
+        bank.save_changes(folder / f"{name}-{step}.pt", write)
+        state[f"{name}._extra_state"] = bank.get_extra_state()
+
+
+def starting_bank(init: Tensors, n_clients: int, carried: ClientBank | None = None,
                   budget_bytes: int | None = None) -> ClientBank:
     """A stage's starting bank: the initial values, with the rows of `carried` (the previous stage's bank) for the
     names it has."""
@@ -169,3 +183,27 @@ def starting_bank(init: Params, n_clients: int, carried: ClientBank | None = Non
             bank.apply({"clients": saved["clients"], "rows": rows})
     bank.since_saved.clear()
     return bank
+
+
+def starting_values(model: nn.Module, personal_names: list[str], constants: Iterable[str] = ()) -> Tensors:
+    """A stage's starting value of each client's own values, as `model` holds them: its personal parameters and its
+    per-client constants (buffers of the model, Algorithm.constants)."""
+    buffers = dict(model.named_buffers())
+    missing = sorted(set(constants) - set(buffers))
+    if missing:
+        raise ValueError(f"per-client constants {missing} are not buffers of the model: Algorithm.constants names "
+                         "buffers that the algorithm's prepare_model registers")
+    params = dict(model.named_parameters())
+    own = [(n, params[n]) for n in personal_names] + [(n, buffers[n]) for n in sorted(constants)]
+    return {n: v.detach().clone() for n, v in own}
+
+
+def carry_bank(previous: ClientBank, model: nn.Module, names: list[str], budget_bytes: int | None = None) -> ClientBank:
+    """The starting personal bank, with `names` (personal parameters and per-client constants), of the stage after
+    the one whose personal bank is `previous`, on `model` as that stage left it: a name personal before keeps each
+    client's value (and its starting value for clients that never trained), a parameter that becomes personal
+    starts as its current shared value (Pillutla et al., ICML 2022, App. B.2), and one new to the model (an adapter
+    inserted since, a constant's buffer) as the model's own value."""
+    current = {n: p.detach() for n, p in [*model.named_parameters(), *model.named_buffers()]}
+    init = {n: previous.init[n] if n in previous.names else current[n] for n in names}
+    return starting_bank(init, previous.n_clients, previous, budget_bytes)

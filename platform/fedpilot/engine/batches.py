@@ -23,6 +23,39 @@ def draw_without_replacement(n: int, size: int, *key: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(rng.choice(n, size, replace=False))).long()
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Which of `n_clients` a stage's rounds take, seeded by `key` (seed, stage): each round a cohort of `size`
+    (None: all) uniform without replacement, or with `one_pass` consecutive slices of the clients in one pass over
+    them; and the `evaluated` clients of the evaluations during training (None: all)."""
+
+    n_clients: int
+    size: int | None
+    key: tuple[int, int]
+    one_pass: bool = False
+    evaluated_clients: int | None = None
+
+    @property
+    def cohort_size(self) -> int:
+        return min(self.size or self.n_clients, self.n_clients)
+
+    def rounds(self, rounds: int) -> int:
+        """Rounds of a stage of `rounds` rounds: those, or with `one_pass` the slices."""
+        return math.ceil(self.n_clients / self.cohort_size) if self.one_pass else rounds
+
+    def cohort(self, round_idx: int) -> torch.Tensor:
+        """Round `round_idx`'s clients, seeded by (seed, stage, round)."""
+        size, n = self.cohort_size, self.n_clients
+        if self.one_pass:
+            return torch.arange(round_idx * size, min(n, (round_idx + 1) * size))
+        return draw_without_replacement(n, size, *self.key, round_idx, 0)
+
+    def evaluated(self) -> torch.Tensor | None:
+        """The clients evaluated during training, the same at every evaluation of the stage (None: every one)."""
+        n, size = self.n_clients, self.evaluated_clients
+        return None if size is None or size >= n else draw_without_replacement(n, size, *self.key, 0, 1)
+
+
 def round_generator(*key: int) -> torch.Generator:
     """A CPU generator seeded from a tuple of ints (seed, stage, round, phase), stable across machines."""
     seed = int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)

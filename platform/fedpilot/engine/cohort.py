@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -18,15 +18,19 @@ from fedpilot.engine.executor import (
     Batches,
     Executor,
     Forward,
-    Params,
     StepRule,
+    Tensors,
     TrainStats,
+    per_client,
     plain_forward,
     precision_context,
 )
 from fedpilot.engine.task import Task
 from fedpilot.errors import NothingToTrain
 from fedpilot.models.split import ParamSplit
+
+if TYPE_CHECKING:
+    from fedpilot.engine.protocol import Algorithm
 
 Part = Literal["personal", "shared", "all"]
 __all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "plain_forward"]
@@ -51,6 +55,7 @@ class RoundWork:
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
     step_cap: int | None = None  # at most this many steps a phase (an executor trial: the speed, not the result)
+    constants: frozenset[str] = frozenset()  # the algorithm's per-client constants (Algorithm.constants)
 
     @property
     def x(self) -> torch.Tensor:
@@ -98,25 +103,39 @@ class RoundWork:
 class Local:
     """Parameters of the clients of a cohort after local work, each [K, ...]."""
 
-    shared: Params
-    personal: Params
+    shared: Tensors
+    personal: Tensors
 
 
 class Cohort:
-    """The clients sampled in a round (or one chunk of them), as one value.
+    """The clients sampled in a round, or one chunk of them: the engine hands an algorithm the round's cohort
+    `cohort_clients` ([R] ids, every chunk) chunk by chunk, as K `clients` at a time.
 
-    Read and write: `personal`, each client's personal parameters [K, ...] (set it to keep new ones), and
-    `state`, the algorithm's per-client state [K, ...] (Algorithm.client_state; set it to keep a new one).
-    Read only: `clients` (ids of this chunk), `rows` (their rows in the whole cohort `cohort_clients`), `shared`
-    (the broadcast global model, no client dimension), `personal_init` (the stage's starting personal value, for
-    stateless variants and L2 pulls), `weights` (the clients' train sample counts), `server_state` (the server's
-    state as the round started), and the properties below. `sgd` and `gradient` run the engine's local work.
+    Shapes: everything per client is per client of this chunk, [K, ...] in the order of `clients`, except where
+    a name says the whole cohort ([R], in the order of `cohort_clients`: a per-client `steps` tensor for `sgd` or
+    `gradient`, since the round's batch plan is drawn once for the whole cohort) or the federation ([n_clients],
+    indexed by client id: `server_state` tensors, `train_samples(ids)`). `chunk_of` takes this chunk's rows of a
+    whole-cohort tensor, `per_client` shapes a [K] tensor to broadcast against [K, ...] ones.
+
+    Read and write: `personal`, each client's personal parameters [K, ...] (set it to keep new ones);
+    `constants`, each client's per-client constants [K, ...] (Algorithm.constants: buffers of the model each client
+    has its own value of; its forward sees them in `params`, in training and evaluation, and no local step changes
+    them; set it to keep new ones); and `state`, the algorithm's per-client state [K, ...] (Algorithm.client_state;
+    set it to keep a new one). Read only: `clients` (ids of this chunk), `rows` (their rows in the whole cohort),
+    `shared` (the broadcast global model, no client dimension), `personal_init` (the stage's starting personal
+    values, for stateless variants and L2 pulls), `weights` (the clients' train sample counts), `server_state` (the
+    server's state as the round started), and the properties below. `sgd` and `gradient` run the engine's local
+    work.
     """
 
     def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice, cohort_clients: torch.Tensor,
-                 shared: Params, personal: Params, personal_init: Params, state: Params | None = None):
+                 shared: Tensors, personal: Tensors, personal_init: Tensors, state: Tensors | None = None):
+        """`personal` and `personal_init`: the clients' own values, personal parameters and constants together (as
+        the personal bank keeps them)."""
         self.work, self.clients, self.rows, self.cohort_clients = work, clients, rows, cohort_clients
-        self.shared, self.personal, self.personal_init = shared, personal, personal_init
+        self.shared, self.personal_init = shared, personal_init
+        self.personal = {n: v for n, v in personal.items() if n not in work.constants}
+        self.constants = {n: v for n, v in personal.items() if n in work.constants}
         self.state = state or {}
         self.weights = work.sizes[clients].to(torch.float32)
         self.stats = TrainStats.zeros(len(clients), work.x.device)
@@ -171,6 +190,27 @@ class Cohort:
         """Training samples of the whole federation (sum over all clients of N_i)."""
         return int(self.work.sizes.sum())
 
+    @property
+    def own(self) -> Tensors:
+        """The clients' own values the personal bank keeps: personal parameters and constants [K, ...]."""
+        return {**self.personal, **self.constants}
+
+    def per_client(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`values`, one per client of this chunk [K], shaped [K, 1, ...] to broadcast against `like` [K, ...], on
+        its device and, for floating-point values, in its dtype (a mask stays boolean, counts integer)."""
+        if values.shape != (len(self),):
+            raise ValueError(f"cohort.per_client: expected one value per client of this chunk, shape ({len(self)},), "
+                             f"got {tuple(values.shape)}; for a whole-cohort tensor take cohort.chunk_of(values)")
+        return per_client(values, like)
+
+    def chunk_of(self, values: torch.Tensor) -> torch.Tensor:
+        """This chunk's rows [K, ...] of `values` given per client of the whole cohort [R, ...] (in the order of
+        `cohort_clients`)."""
+        if len(values) != self.cohort_size:
+            raise ValueError(f"cohort.chunk_of: expected one row per client of the whole cohort ({self.cohort_size}, "
+                             f"cohort_clients), got {len(values)}")
+        return values[self.rows]
+
     def train_samples(self, clients: torch.Tensor) -> torch.Tensor:
         """Training sample counts N_i of `clients` (any ids of the federation, e.g. `cohort_clients`)."""
         return self.work.sizes[clients.to(self.work.sizes.device)]
@@ -183,31 +223,42 @@ class Cohort:
         rows = starts[:, None] + torch.minimum(take[None], (sizes[:, None] - 1).clamp_min(0))
         return self.work.data.inputs(self.work.x[rows])
 
-    def gradient(self, part: Part = "shared", *, steps: int | None = 1, epochs: float | None = None,
-                 shared: Params | None = None) -> Params:
+    def gradient(self, part: Part = "shared", *, steps: int | torch.Tensor | None = 1, epochs: float | None = None,
+                 shared: Tensors | None = None) -> Tensors:
         """Each client's mean stochastic gradient of its loss over `steps` fresh minibatches (or `epochs`), taken
         at its current parameters, for the `part` parameters [K, ...]; nothing is updated.
 
+        `steps` may be a tensor, one count per client of the whole cohort [R] (see the class docstring).
         `shared` optionally replaces the broadcast with per-client shared parameters [K, ...] (stale models).
         """
-        plan = self.work.plan(self.cohort_clients, self._phase, epochs, None if epochs else steps).rows(self.rows)
-        self._phase += 1
+        plan = self._plan(epochs, None if epochs else steps)
         per_client_shared = shared is not None
         params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
         work = self.work
         with precision_context(work.precision, work.x.device):
             return work.executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
 
+    def _plan(self, epochs: float | None, steps: int | torch.Tensor | None) -> BatchPlan:
+        """This chunk's rows of the next local phase's plan for the whole cohort."""
+        if torch.is_tensor(steps) and steps.dim() and len(steps) != self.cohort_size:
+            raise ValueError(f"cohort.sgd/gradient: a per-client `steps` tensor holds one count per client of the "
+                             f"whole cohort ({self.cohort_size}, cohort.cohort_clients), not of this chunk "
+                             f"({len(self)}): the round's batch plan is drawn once for every chunk; got {len(steps)}")
+        plan = self.work.plan(self.cohort_clients, self._phase, epochs, steps).rows(self.rows)
+        self._phase += 1
+        return plan
+
     def _batches(self, plan: BatchPlan) -> Batches:
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
                        plan.active, self.work.data.inputs, plan.augment)
 
     def sgd(self, train: Part, lr: float | dict[str, float] | None = None, *, epochs: float | None = None,
-            steps: int | torch.Tensor | None = None, shared: Params | None = None, prox: float = 0.0,
-            reference: Params | None = None) -> Local:
+            steps: int | torch.Tensor | None = None, shared: Tensors | None = None, prox: float = 0.0,
+            reference: Tensors | None = None) -> Local:
         """Local SGD of the `train` part for each client, starting from its current parameters.
 
-        Work defaults to the stage's `local` block (epochs or steps); `steps` may be a per-client tensor.
+        Work defaults to the stage's `local` block (epochs or steps); `steps` may be a tensor, one count per client
+        of the whole cohort [R] (the batch plan is drawn once for every chunk; see the class docstring).
         `lr` is one value or {"shared": .., "personal": ..}; the round's schedule factor multiplies it.
         `shared` optionally replaces the broadcast with per-client shared parameters [K, ...].
         `prox` adds prox/2 * ||w - reference||^2 to each client's loss (reference: the stage's start).
@@ -215,8 +266,7 @@ class Cohort:
         local = self.work.local
         if epochs is None and steps is None:
             epochs, steps = local.epochs, local.steps
-        plan = self.work.plan(self.cohort_clients, self._phase, epochs, steps).rows(self.rows)
-        self._phase += 1
+        plan = self._plan(epochs, steps)
         per_client_shared = shared is not None
         shared = shared if per_client_shared else self.shared
         trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
@@ -229,9 +279,9 @@ class Cohort:
             v if per_client_shared else v.expand(k, *v.shape)) for n, v in shared.items()}
         return Local(shared=new_shared, personal=personal)
 
-    def _assign(self, train: Part, shared: Params, per_client_shared: bool) -> tuple[Params, Params, Params]:
-        """Split the parameters into trainable [K..], frozen per-client [K..] and frozen broadcast [..]; an empty
-        `train` part is an error (no executor runs on empty work).
+    def _assign(self, train: Part, shared: Tensors, per_client_shared: bool) -> tuple[Tensors, Tensors, Tensors]:
+        """Split the parameters into trainable [K..], frozen per-client [K..] (with the per-client constants) and
+        frozen broadcast [..]; an empty `train` part is an error (no executor runs on empty work).
 
         With a personal copy (names both shared and personal, Ditto) the trained copy is the whole model: the
         personal part trains the personal copy, the shared part the global one, and `all` is not defined.
@@ -250,10 +300,10 @@ class Cohort:
             raise ValueError("a personal copy has no joint `all` part: train `personal` or `shared`")
         else:
             trainable, frozen, fixed = {**batched_shared, **self.personal}, {}, {}
-        return (trainable, {n: v for n, v in frozen.items() if n not in trainable},
+        return (trainable, {**{n: v for n, v in frozen.items() if n not in trainable}, **self.constants},
                 {n: v for n, v in fixed.items() if n not in trainable})
 
-    def _rule(self, trainable: Params, lr, prox: float, reference: Params | None) -> StepRule:
+    def _rule(self, trainable: Tensors, lr, prox: float, reference: Tensors | None) -> StepRule:
         local = self.work.local
         if lr is None or isinstance(lr, float | int):
             rates = dict.fromkeys(trainable, float(lr if lr is not None else local.lr))
@@ -263,7 +313,7 @@ class Cohort:
         ref = {n: reference[n] for n in trainable} if prox else {}
         return StepRule(rates, local.clip_norm, local.weight_decay, prox, ref)
 
-    def _run(self, trainable: Params, frozen: Params, fixed: Params, plan: BatchPlan, rule: StepRule) -> Params:
+    def _run(self, trainable: Tensors, frozen: Tensors, fixed: Tensors, plan: BatchPlan, rule: StepRule) -> Tensors:
         work = self.work
         labels = work.y[plan.index]
         weight = plan.weight.to(work.x.device)
@@ -279,3 +329,30 @@ class Cohort:
                                      rule.renamed(split.head), self.stats)
             return split.from_head(trained)
         return work.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
+
+
+@dataclass
+class Trial:
+    """The local work of the first chunk of a round's cohort (`chunk`), on copies of its clients' bank rows (what it
+    computes is thrown away): `trial(executors, steps, clients)` runs the chunk's first `clients` (None: all),
+    `steps` steps a phase (engine.accel.choice.Trial)."""
+
+    algorithm: Algorithm
+    work: RoundWork
+    chunk: torch.Tensor
+    shared: Tensors
+    start: Tensors
+    personal: Tensors
+    state: Tensors
+
+    @property
+    def clients(self) -> int:
+        return len(self.chunk)
+
+    def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None) -> None:
+        rows = slice(0, clients)
+        work = replace(self.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
+        cohort = Cohort(work, self.chunk[rows], rows, self.chunk, self.shared,
+                        {n: v[rows].clone() for n, v in self.personal.items()}, self.start,
+                        {n: v[rows].clone() for n, v in self.state.items()})
+        self.algorithm.local_update(cohort)

@@ -26,6 +26,10 @@ def _byte_count(value: object) -> int:
 
 
 Bytes = Annotated[int, BeforeValidator(_byte_count)]
+AUTO = "auto"  # `execution: auto`: the stage times the candidates on its first round (engine/accel/choice.py)
+# The executors a stage may run, by their `execution:` names, in the order a stage times them (engine/accel maps
+# each to its class): the one list of them.
+EXECUTORS = ("vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first", "bmm")
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
@@ -98,8 +102,7 @@ class StageConfig(Strict):
     eval_every: int = Field(10, ge=1)
     eval_clients: int | None = Field(None, ge=1)  # evaluated during training (a seeded sample); all at the end
     max_parallel_clients: int = Field(256, ge=1)
-    execution: Literal["auto", "vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first",
-                       "bmm"] = "auto"
+    execution: Literal[(AUTO, *EXECUTORS)] = AUTO  # type: ignore[valid-type]
     host_memory_budget: Bytes | None = None  # per-client rows kept in memory; more: a file
     device_data_budget: Bytes | None = None  # client data on the device; more: gathered per round
     precision: Literal["32-true", "bf16-mixed"] = "32-true"  # Lightning's names; bf16-mixed: bf16 forward passes

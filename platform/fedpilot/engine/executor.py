@@ -23,22 +23,19 @@ from fedpilot.engine.task import Task
 if TYPE_CHECKING:
     from fedpilot.engine.data import AugmentParams
 
-Params = dict[str, torch.Tensor]
-Forward = Callable[[nn.Module, Params, torch.Tensor], torch.Tensor]
+Tensors = dict[str, torch.Tensor]
+Forward = Callable[[nn.Module, Tensors, torch.Tensor], torch.Tensor]
 
 
-def plain_forward(module: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward with `params`."""
+def plain_forward(module: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with `params`: how the executors are told an algorithm's forward is the model's
+    own (Algorithm.models_forward)."""
     return functional_call(module, params, (x,))
 
 
-plain_forward.models_own = True  # type: ignore[attr-defined]
-
-
 def models_own(forward: Forward) -> bool:
-    """Whether `forward` applies the model's own forward (`plain_forward`, or `Algorithm.forward` not overridden):
-    both carry `models_own`; an override (a bound method of another function) does not."""
-    return bool(getattr(forward, "models_own", False))
+    """Whether `forward` is the model's own (`plain_forward`): the executors may then run its layers their way."""
+    return forward is plain_forward
 
 
 @dataclass
@@ -53,14 +50,14 @@ class StepRule:
     clip_norm: float | None = None
     weight_decay: float = 0.0
     prox: float = 0.0
-    reference: Params = field(default_factory=dict)
+    reference: Tensors = field(default_factory=dict)
 
-    def apply_(self, params: Params, grads: Params, active: torch.Tensor) -> None:
+    def apply_(self, params: Tensors, grads: Tensors, active: torch.Tensor) -> None:
         """One SGD step in place on `params` [K, ...] (consuming `grads`) for each client whose `active` flag is set."""
         for n, g in self.directions(params, grads, active).items():
             params[n].sub_(g, alpha=self.lr[n])
 
-    def directions(self, params: Params, grads: Params, active: torch.Tensor) -> Params:
+    def directions(self, params: Tensors, grads: Tensors, active: torch.Tensor) -> Tensors:
         """What each parameter steps against at `params`, in the memory of `grads`: the gradient with the pull,
         clipped, with weight decay; zero for clients whose `active` flag is not set."""
         if self.prox:
@@ -83,12 +80,12 @@ class StepRule:
         """Plain SGD: no clipping, weight decay or pull to a reference."""
         return self.clip_norm is None and not self.weight_decay and not self.prox
 
-    def stepped(self, start: Params, grads: Params, active: torch.Tensor) -> Params:
+    def stepped(self, start: Tensors, grads: Tensors, active: torch.Tensor) -> Tensors:
         """One step from `start` [K, ...] (broadcast rows allowed) into the memory of `grads`, consuming them."""
         return {n: torch.add(start[n], g, alpha=-self.lr[n], out=g)
                 for n, g in self.directions(start, grads, active).items()}
 
-    def for_rows(self, rows: slice, params: Params) -> StepRule:
+    def for_rows(self, rows: slice, params: Tensors) -> StepRule:
         """This rule for the clients of `rows` alone (their rows of a per-client reference)."""
         reference = {n: r[rows] if r.dim() == params[n].dim() else r for n, r in self.reference.items()}
         return StepRule(self.lr, self.clip_norm, self.weight_decay, self.prox, reference)
@@ -100,8 +97,10 @@ class StepRule:
 
 
 def per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A [K] tensor shaped to broadcast over a [K, ...] parameter."""
-    return values.view(-1, *[1] * (like.dim() - 1))
+    """A [K] tensor shaped [K, 1, ...] to broadcast against a [K, ...] tensor `like`, on its device and, for
+    floating-point values, in its dtype (a mask stays boolean, counts integer)."""
+    dtype = like.dtype if values.is_floating_point() else values.dtype
+    return values.to(like.device, dtype).view(-1, *[1] * (like.dim() - 1))
 
 
 def _as_is(rows: torch.Tensor) -> torch.Tensor:
@@ -195,12 +194,12 @@ class Executor(ABC):
         return type(self)(forward, self.task, self.clients_per_call)
 
     @abstractmethod
-    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
-              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         """Each client's `trainable` parameters [K, ...] after its active steps of the plan under `rule` (`frozen`:
         per-client [K, ...] parameters not trained, `fixed`: broadcast ones); adds the steps' loss to `stats`."""
 
     @abstractmethod
-    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
-                  stats: TrainStats) -> Params:
+    def gradients(self, module: nn.Module, params: Tensors, frozen: Tensors, fixed: Tensors, batches: Batches,
+                  stats: TrainStats) -> Tensors:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""

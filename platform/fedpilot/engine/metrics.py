@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from fedpilot.metric_names import QUANTILES
+from fedpilot.metric_names import COHORT, COHORT_STATS, QUANTILES
+
+if TYPE_CHECKING:
+    from fedpilot.engine.bank import ClientBank
 
 
 def distribution(values: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
@@ -35,3 +40,14 @@ def summarize(name: str, scores: dict[str, torch.Tensor], weights: torch.Tensor,
         shown = stats if metric in distributions else {"weighted": stats.get("weighted")}
         summary.update({f"{name}_{metric}_{k}": v for k, v in shown.items() if v is not None})
     return summary
+
+
+def cohort_spread(state: ClientBank, clients: torch.Tensor) -> dict[str, float]:
+    """The spread over a round's cohort `clients` of each per-client scalar of the algorithm's `state` (Self-FL's
+    steps, pFedGate's densities), as `cohort_{name}_{stat}` (under DDP every process has the whole cohort's rows)."""
+    if not any(v.dim() == 0 for v in state.init.values()):  # no per-client scalar: no gather
+        return {}
+    rows = state.get(clients.cpu())
+    percents = torch.tensor(list(COHORT_STATS.values()), dtype=torch.float64) / 100
+    return {f"{COHORT}_{name}_{stat}": float(q) for name, values in rows.items() if values.dim() == 1
+            for stat, q in zip(COHORT_STATS, torch.quantile(values.double(), percents), strict=True)}

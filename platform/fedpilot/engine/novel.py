@@ -1,21 +1,20 @@
 """Evaluations beyond each participating client's personalized model, at a stage's end: clients held out of every
 round (novel clients, Chen et al., ICML 2023) with the global model and after the adaptation a newcomer gets, and
 the participating clients with the global model (for each client's choice between the two, Pillutla et al., ICML
-2022, Sec. C.3)."""
+2022, Sec. C.3). The adaptation runs as the stage's rounds do: the stage's work builder and its cohorts."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from fedpilot.engine.cohort import Cohort, RoundWork
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
-from fedpilot.engine.evaluate import evaluate_clients
-from fedpilot.engine.executor import Params
+from fedpilot.engine.executor import Tensors
 from fedpilot.metric_names import GLOBAL, NOVEL, NOVEL_GLOBAL
 
 if TYPE_CHECKING:
@@ -35,27 +34,24 @@ class NovelClients:
     cohort: int | None = None
 
 
-def global_model(stage: FederatedStage) -> Params:
+def global_model(stage: FederatedStage) -> Tensors:
     """The stage's global model as it stands: the shared parameters, and the personal ones at their starting value
     (the model's own, which no client's training changes)."""
     device = stage.device
     return {**{n: v.to(device) for n, v in stage.personal_init.items()}, **stage.shared_params()}
 
 
-def global_scores(stage: FederatedStage, data: ClientData, split: str) -> Scores:
-    """Each client of `data` on `split` with the global model (one model for every client)."""
-    scores = evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, global_model(stage),
-                              lambda clients: {}, data, split, stage.execution, precision=stage.config.precision)
-    return {m: v.cpu() for m, v in scores.items()}
-
-
 def beyond_participants(stage: FederatedStage, splits: tuple[str, ...], novel: NovelClients | None,
                         select: bool) -> dict[str, Scores]:
     """The stage's extra per-client evaluations, by name: `global_{split}` (participants, with `select`),
     `novel_global_{split}` and `novel_{split}` (the novel clients)."""
-    results = {f"{GLOBAL}_{s}": global_scores(stage, stage.data, s) for s in splits} if select else {}
+    results = {}
+    if select:
+        evaluator = stage.evaluator()
+        results.update({f"{GLOBAL}_{s}": evaluator.scores(s, global_model(stage)) for s in splits})
     if novel is not None:
-        results.update({f"{NOVEL_GLOBAL}_{s}": global_scores(stage, novel.data, s) for s in splits})
+        evaluator = stage.evaluator(novel.data)
+        results.update({f"{NOVEL_GLOBAL}_{s}": evaluator.scores(s, global_model(stage)) for s in splits})
         results.update(adapted_scores(stage, novel, splits))
     return results
 
@@ -64,45 +60,27 @@ def adapted_scores(stage: FederatedStage, novel: NovelClients, splits: tuple[str
     """The novel clients on `splits` after each adapts (Algorithm.adapt) from the stage's starting personal value
     (a personal copy of every parameter, Ditto's, from the global model), cohort after cohort as a fine-tuning
     stage of the recipe would take them alone, each cohort evaluated and dropped before the next adapts."""
-    data, n = novel.data, novel.data.n_clients
+    n = novel.data.n_clients
     size = min(novel.cohort or n, n)
     rounds = math.ceil(n / size)
     results = {f"{NOVEL}_{s}": {m: torch.full((n,), math.nan) for m in stage.task.metrics} for s in splits}
-    shared = stage.shared_params()
-    start = {name: shared[name] if stage.algorithm.personal_copy else value.to(stage.device)
+    shared, evaluator = stage.shared_params(), stage.evaluator(novel.data)
+    copy = stage.algorithm.personal_copy  # a copy of every parameter starts from the global model
+    start = {name: shared[name] if copy and name in shared else value.to(stage.device)
              for name, value in stage.personal_init.items()}
-    state = stage.algorithm.client_state()
     for r in range(rounds):
         clients = torch.arange(r * size, min(n, (r + 1) * size), device=stage.device)
-        work = adaptation_work(stage, novel, data.gather(clients, stage.device), r, rounds)
-        for lo in range(0, len(clients), stage.config.max_parallel_clients):
-            rows = slice(lo, min(lo + stage.config.max_parallel_clients, len(clients)))
-            ids = clients[rows]
-            cohort = Cohort(work, ids, rows, clients, shared, {k: v.expand(len(ids), *v.shape) for k, v in start.items()},
-                            start, {k: v.to(stage.device).expand(len(ids), *v.shape) for k, v in state.items()})
+        work = stage.round_work(r, clients, novel.data.gather(clients, stage.device), novel.local, rounds)
+        for cohort in stage.cohorts(work, clients, start, fresh=True):
             stage.algorithm.adapt(cohort)
             for split in splits:
-                scores = evaluate_clients(stage.model, stage.split, stage.algorithm.forward, stage.task, shared,
-                                          rows_of(cohort.personal, int(ids[0])), data, split, stage.execution, ids,
-                                          precision=stage.config.precision)
+                scores = evaluator.scores(split, shared, rows_of(cohort.own, int(cohort.clients[0])), cohort.clients)
                 for metric, values in scores.items():
-                    results[f"{NOVEL}_{split}"][metric][ids.cpu()] = values.cpu()
+                    results[f"{NOVEL}_{split}"][metric][cohort.clients.cpu()] = values
     return results
 
 
-def adaptation_work(stage: FederatedStage, novel: NovelClients, data: ClientData, round_idx: int,
-                    rounds: int) -> RoundWork:
-    """Round `round_idx` of the novel clients' adaptation: the stage's model, executors and seed, the recipe's
-    local work."""
-    executor, head_executor = stage.executors(stage.execution, timed=bool(stage.executor_seconds))
-    return RoundWork(model=stage.model, forward=stage.algorithm.forward, task=stage.task, data=data,
-                     local=novel.local, lr_factor=novel.local.schedule.factor(round_idx, rounds),
-                     seed_key=(stage.seed, stage.stage_index, round_idx), executor=executor,
-                     head_executor=head_executor, split=stage.split, server_state=stage.server_state,
-                     precision=stage.config.precision)
-
-
-def rows_of(personal: Params, first: int):
-    """personal_of for evaluate_clients: the rows of a chunk's adapted parameters, by client id (the chunk's clients
-    are first, first + 1, ...)."""
-    return lambda ids: {name: value[ids - first] for name, value in personal.items()}
+def rows_of(own: Tensors, first: int) -> Callable[[torch.Tensor], Tensors]:
+    """personal_of for the Evaluator: the rows of a chunk's adapted values (parameters and constants), by client id
+    (the chunk's clients are first, first + 1, ...)."""
+    return lambda ids: {name: value[ids - first] for name, value in own.items()}

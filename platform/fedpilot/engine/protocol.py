@@ -6,6 +6,7 @@ batching, chunking, evaluation, logging) is the engine's. Importing this module 
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
     from fedpilot.engine.cohort import Cohort
 
-    Params = dict[str, torch.Tensor]
+    Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -32,9 +33,9 @@ class Upload:
     weight: aggregation weight of each client; the engine fills in the clients' train sample counts if None.
     """
 
-    shared: Params | None = None
-    grad: Params | None = None
-    mask: Params | None = None
+    shared: Tensors | None = None
+    grad: Tensors | None = None
+    mask: Tensors | None = None
     weight: torch.Tensor | None = None
 
 
@@ -44,7 +45,7 @@ class RoundInfo:
 
     key: tuple[int, int, int]  # (seed, stage index, round index): seeds every random draw of the round
     clients: torch.Tensor  # the ids of the whole cohort (every chunk, every process)
-    broadcast: Params  # the shared parameters the cohort received
+    broadcast: Tensors  # the shared parameters the cohort received
     n_clients: int  # clients in the federation
 
     @property
@@ -63,7 +64,7 @@ class Aggregator(ABC):
         """Take one chunk's upload (its weight filled in)."""
 
     @abstractmethod
-    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+    def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
         """(pseudo-gradient of the shared parameters, the server state after this round)."""
 
 
@@ -159,6 +160,13 @@ class Algorithm(ABC):
       tunable                  its hyperparameters worth tuning and their default ranges, by stage key
                                (`local.lr`, `server.lr`, `params.<name>`): what a search's `space: auto` and
                                `fedpilot compare --tune` search
+      constants                names of `client_state` entries that are per-client constants: each client's value
+                               reaches `forward` in `params`, next to the parameters, in training and in evaluation;
+                               local SGD never trains them (pFedGate's sparsity budget). Name them apart from the
+                               model's parameters and buffers (the model's own forward ignores them)
+      models_forward           set by the engine, not by a subclass: True where the class applies the model's own
+                               forward to the parameters alone (no `forward` override, no constants), which lets
+                               the executors run the model's layers their own way (engine/accel)
     """
 
     name: ClassVar[str]
@@ -167,15 +175,27 @@ class Algorithm(ABC):
     personal_copy: ClassVar[bool] = False
     needs: ClassVar[frozenset[Part]] = frozenset()
     tunable: ClassVar[dict[str, Tunable]] = {}
+    constants: ClassVar[frozenset[str]] = frozenset()
+    models_forward: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.models_forward = cls.forward is Algorithm.forward and not cls.constants
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
-        self.p = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})
+        self.params = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})
+
+    @property
+    def p(self) -> AlgorithmParams:
+        """Deprecated: the old name of `params` (the algorithm's hyperparameters), kept for one release."""
+        warnings.warn(f"{type(self).__name__}.p is deprecated: use .params", DeprecationWarning, stacklevel=2)
+        return self.params
 
     @property
     def stateful(self) -> bool:
         """Personal parameters persist across rounds in the engine's personal bank (else each visit restarts from
         the stage's starting value); StatefulParams' `stateful` sets it."""
-        return self.p.stateful if isinstance(self.p, StatefulParams) else True
+        return self.params.stateful if isinstance(self.params, StatefulParams) else True
 
     @property
     def personal_part(self) -> str | list[str] | None:
@@ -188,7 +208,8 @@ class Algorithm(ABC):
 
     def client_state(self) -> dict[str, torch.Tensor]:
         """Initial per-client state beyond parameters (e.g. Self-FL's variances), without the client dimension; the
-        engine keeps a [n_clients, ...] bank of it, checkpointed, and hands a cohort its rows as `cohort.state`."""
+        engine keeps a [n_clients, ...] bank of it, checkpointed, and hands a cohort its rows as `cohort.state`. A
+        client that never took part keeps this value, also the `constants` among it (what its forward sees)."""
         return {}
 
     def server_state(self, n_clients: int) -> dict[str, Any]:
@@ -202,14 +223,13 @@ class Algorithm(ABC):
 
         return WeightedMean()
 
-    def forward(self, model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
-        """How a client applies the model with `params` to inputs `x` (default: the model's own forward); an
-        algorithm that changes it (pFedGate's gated weights) overrides this."""
+    def forward(self, model: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+        """How a client applies the model with `params` (its parameters, and its `constants`) to inputs `x`
+        (default: the model's own forward); an algorithm that changes it (pFedGate's gated weights) overrides
+        this."""
         from torch.func import functional_call
 
         return functional_call(model, params, (x,))
-
-    forward.models_own = True  # type: ignore[attr-defined]  # the executors' fast paths for the model's own forward
 
     @abstractmethod
     def local_update(self, cohort: Cohort) -> Upload:

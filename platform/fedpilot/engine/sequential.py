@@ -1,6 +1,7 @@
-"""The plain sequential executor (`execution: sequential`): one client at a time, an eager nn.Module and
-torch.optim.SGD. It is the reference the vectorized executors are tested against (tests/, fedpilot.testing), and
-shares nothing with them but the batch plan, the task's loss and the algorithm's way of applying the model.
+"""The plain sequential executor: one client at a time, an eager nn.Module and torch.optim.SGD. It is the reference
+the vectorized executors are tested against (tests/, fedpilot.testing, which pin it by its name `sequential`; no
+`execution:` value selects it), and shares nothing with them but the batch plan, the task's loss and the algorithm's
+way of applying the model.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from fedpilot.engine.executor import Batches, Executor, Params, StepRule, TrainStats
+from fedpilot.engine.executor import Batches, Executor, StepRule, Tensors, TrainStats
 
 
 class SequentialExecutor(Executor):
@@ -19,20 +20,30 @@ class SequentialExecutor(Executor):
     name = "sequential"
     uses_features = False
 
-    def _loss(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The task's loss of the client's real samples, through the algorithm's forward on the module itself."""
+    def _loss(self, net: nn.Module, extra: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The task's loss of the client's real samples, through the algorithm's forward on the module itself (with
+        the client's `extra` values that are not parameters: its per-client constants)."""
         ones = torch.ones(len(y), device=y.device)
-        return self.task.loss(self.forward(net, dict(net.named_parameters()), x), y, ones)[0]
+        return self.task.loss(self.forward(net, {**dict(net.named_parameters()), **extra}, x), y, ones)[0]
 
-    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
-              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    @staticmethod
+    def _client(module: nn.Module, k: int, trained: Tensors, frozen: Tensors,
+                fixed: Tensors) -> tuple[nn.Module, Tensors]:
+        """A copy of `module` holding client k's parameters, `trained` ones requiring gradients, and its values
+        that are not parameters."""
+        net = copy.deepcopy(module)
+        values = {**{n: v[k] for n, v in trained.items()}, **{n: v[k] for n, v in frozen.items()}, **fixed}
+        for name, param in net.named_parameters():
+            param.data.copy_(values.pop(name))
+            param.requires_grad_(name in trained)
+            param.grad = None
+        return net, values
+
+    def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         results = []
         for k in range(batches.index.shape[0]):
-            net = copy.deepcopy(module)
-            values = {**{n: v[k] for n, v in trainable.items()}, **{n: v[k] for n, v in frozen.items()}, **fixed}
-            for name, param in net.named_parameters():
-                param.data.copy_(values[name])
-                param.requires_grad_(name in trainable)
+            net, extra = self._client(module, k, trainable, frozen, fixed)
             groups = [{"params": [p], "lr": rule.lr[n], "name": n} for n, p in net.named_parameters() if n in trainable]
             opt = torch.optim.SGD(groups, lr=1.0, weight_decay=rule.weight_decay)
             for s in range(batches.index.shape[1]):
@@ -42,7 +53,7 @@ class SequentialExecutor(Executor):
                 x = batches.inputs(k, s)[real]
                 y = batches.labels[k, s][real]
                 opt.zero_grad()
-                loss = self._loss(net, x, y)
+                loss = self._loss(net, extra, x, y)
                 if rule.prox:
                     loss = loss + rule.prox / 2 * sum(
                         (p - _ref(rule.reference[n], k, trainable[n])).pow(2).sum()
@@ -55,21 +66,16 @@ class SequentialExecutor(Executor):
             results.append({n: p.detach().clone() for n, p in net.named_parameters() if n in trainable})
         return {n: torch.stack([r[n] for r in results]) for n in trainable}
 
-    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
-                  stats: TrainStats) -> Params:
+    def gradients(self, module: nn.Module, params: Tensors, frozen: Tensors, fixed: Tensors, batches: Batches,
+                  stats: TrainStats) -> Tensors:
         """loss.backward() per active step into .grad, averaged over the client's steps."""
         results = []
         for k in range(batches.index.shape[0]):
-            net = copy.deepcopy(module)
-            values = {**{n: v[k] for n, v in params.items()}, **{n: v[k] for n, v in frozen.items()}, **fixed}
-            for name, param in net.named_parameters():
-                param.data.copy_(values[name])
-                param.requires_grad_(name in params)
-                param.grad = None
+            net, extra = self._client(module, k, params, frozen, fixed)
             steps = torch.nonzero(batches.active[k]).flatten().tolist()
             for s in steps:
                 real = batches.weight[k, s] > 0
-                self._loss(net, batches.inputs(k, s)[real], batches.labels[k, s][real]).backward()
+                self._loss(net, extra, batches.inputs(k, s)[real], batches.labels[k, s][real]).backward()
                 stats.steps[k] += 1
             results.append({n: p.grad / max(len(steps), 1) if p.grad is not None else torch.zeros_like(p)
                             for n, p in net.named_parameters() if n in params})

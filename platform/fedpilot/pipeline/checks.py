@@ -63,7 +63,7 @@ def check_devices(spec: PipelineSpec, device: torch.device | None, algorithms: l
         return
     import torch
 
-    from fedpilot.engine.stage import splits_across_processes
+    from fedpilot.engine.ddp import splits_across_processes
 
     if here and device is not None and device.type == "cuda" and spec.devices > torch.cuda.device_count():
         raise SpecError("devices", spec.devices, f"only {torch.cuda.device_count()} CUDA devices are visible here")

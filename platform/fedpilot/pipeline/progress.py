@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from fedpilot.engine.hooks import RoundCallback, RoundResult
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.tracking import quiet_mlflow
 
 
@@ -31,7 +32,7 @@ class RoundProgress(TQDMProgressBar, RoundCallback):
         self.train_progress_bar.set_description(self.label)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if getattr(pl_module, "times_executors", False):  # a first round that times the candidates takes longer
+        if isinstance(pl_module, FederatedStage) and pl_module.executor_choice.pending:  # a longer first round
             self.train_progress_bar.set_postfix_str("timing the executor candidates on the first round", refresh=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

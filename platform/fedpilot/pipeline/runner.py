@@ -4,7 +4,7 @@ each starting from the previous stage's shared model and personal bank, recordin
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,10 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.data.federated import staging
 from fedpilot.data.summary import describe
-from fedpilot.engine.accel.memory import PeakMemory, release_freed_memory
+from fedpilot.engine.bank import carry_bank
+from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
-from fedpilot.engine.stage import FederatedStage, carry_bank
+from fedpilot.engine.stage import FederatedStage
 from fedpilot.errors import StageFailed
 from fedpilot.models.options import MODELS
 from fedpilot.models.split import ParamSplit, apply_split
@@ -42,13 +43,14 @@ from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, flatt
 
 @dataclass
 class StageOutcome:
-    """What one stage produced: its run, whether it came from the cache, per-client accuracy, final metrics."""
+    """What one stage produced: its run, whether it came from the cache, the per-client values of the task's primary
+    metric by split (accuracy; mean squared error for regression), final metrics."""
 
     index: int
     name: str
     cache: str
     run_id: str
-    accuracy: dict[str, np.ndarray]
+    primary: dict[str, np.ndarray]
     metrics: dict[str, float]
 
 
@@ -109,7 +111,7 @@ class PipelineRunner:
                 outcomes = self._stages(parent, previous_runs, open_runs)
             summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
                        for o in outcomes]
-            self.tracker.log_pipeline_results(parent, {o.name: o.accuracy["test"] for o in outcomes}, summary,
+            self.tracker.log_pipeline_results(parent, {o.name: o.primary["test"] for o in outcomes}, summary,
                                               spec.tracking.plots, self.task.primary)
             self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes])})
             if with_report:
@@ -126,12 +128,7 @@ class PipelineRunner:
 
     def cached(self) -> bool:
         """Whether the stage cache holds every stage of the pipeline (a run would train nothing)."""
-        key = ""
-        for i in range(len(self.spec.stages)):
-            _, _, key = self._stage(i, key, None)
-            if not self.cache.has(key):
-                return False
-        return True
+        return all(self.cache.has(key) for _, _, _, key, _ in self._each_stage())
 
     def follow(self, resume: str | None = None) -> None:
         """What a DDP process other than rank 0 runs (Lightning starts them at the first stage trained with
@@ -139,20 +136,17 @@ class PipelineRunner:
         (every process takes a slice of each cohort). It records nothing: the MLflow runs, the stage cache and
         the checkpoints are rank 0's."""
         previous_runs = self.tracker.stage_runs(resume) if resume else {}
-        key, before = "", None
         with stop_on_signals():  # a stop asked of any process stops them all after the same round
-            for i in range(len(self.spec.stages)):
-                stage, _, key = self._stage(i, key, before)
+            for i, stage, _, key, _ in self._each_stage():
                 cached = self.cache.load(key)
                 if cached is not None:
                     stage.load_state_dict(cached["state"])
-                else:
-                    last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
-                    resuming = i in previous_runs and last is not None and last.is_file()
-                    saving = self.root / "runs"  # rank 0 writes the checkpoints to its own folder
-                    trainer = self._trainer(stage, saving, [CheckpointOnStop(saving / "last.ckpt")])
-                    trainer.fit(stage, ckpt_path=str(last) if resuming else None)
-                before = stage
+                    continue
+                last = self._checkpoints(resume, i) / "last.ckpt" if resume else None
+                resuming = i in previous_runs and last is not None and last.is_file()
+                saving = self.root / "runs"  # rank 0 writes the checkpoints to its own folder
+                trainer = self._trainer(stage, saving, [CheckpointOnStop(saving / "last.ckpt")])
+                trainer.fit(stage, ckpt_path=str(last) if resuming else None)
 
     def _checkpoints(self, parent: str, index: int) -> Path:
         """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains (under root/runs)."""
@@ -173,7 +167,8 @@ class PipelineRunner:
         key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code, {**beyond, "select": select}
                         if novel or select else None)
         config = stage_spec.engine_config(spec.evaluation)
-        bank = carry_bank(before, split.personal_names) if before is not None else None
+        own = [*split.personal_names, *sorted(algorithm.constants)]  # what each client holds of its own
+        bank = None if before is None else carry_bank(before.bank, before.model, own, before.config.host_memory_budget)
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
                                stage_spec.name, novel, select)
         return stage, split, key
@@ -187,11 +182,19 @@ class PipelineRunner:
         recipe = next((s for s, a in zip(stages, self.algorithms, strict=True) if a.name == "finetune"), stages[i])
         return NovelClients(self.novel_tensors, recipe.local, recipe.clients_per_round)
 
-    def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
-        spec, key, before, outcomes, offset = self.spec, "", None, [], 0
-        for i, stage_spec in enumerate(spec.stages):
+    def _each_stage(self) -> Iterator[tuple[int, FederatedStage, ParamSplit, str, FederatedStage | None]]:
+        """Each stage in order (index, stage, split, cache key, the stage before it), built once the one before it
+        has run: every process runs the pipeline's stages through this one loop (`run` and `follow`)."""
+        key, before = "", None
+        for i in range(len(self.spec.stages)):
             stage, split, key = self._stage(i, key, before)
-            earlier = previous_runs.get(i)
+            yield i, stage, split, key, before
+            before = stage
+
+    def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
+        outcomes, offset = [], 0
+        for i, stage, split, key, before in self._each_stage():
+            stage_spec, earlier = self.spec.stages[i], previous_runs.get(i)
             if earlier is not None and earlier.info.status != "FINISHED":
                 self.tracker.resume(earlier.info.run_id)
             cached = self.cache.load(key) if self.use_cache else None
@@ -204,7 +207,6 @@ class PipelineRunner:
                 outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before, offset)
                 open_runs.remove(run_id)
             outcomes.append(outcome)
-            before = stage
             offset += stage.n_rounds
         return outcomes
 
@@ -279,12 +281,9 @@ class PipelineRunner:
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
-                     **{f"executor_seconds_{n}": v for n, v in stage.executor_seconds.items()},
-                     **{f"executor_peak_bytes_{n}": v for n, v in stage.executor_peak_bytes.items()},
-                     **{f"executor_clients_per_call_{n}": v for n, v in stage.clients_per_call.items()},
-                     **({"executor_timing_s": stage.executor_timing_s} if stage.executor_timing_s is not None else {})}
+                     **stage.executor_choice.record()}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)
-        return StageOutcome(index, name, cache, run_id, report.accuracy, {**report.metrics, **report.memory})
+        return StageOutcome(index, name, cache, run_id, report.primary, {**report.metrics, **report.memory})

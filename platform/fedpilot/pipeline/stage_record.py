@@ -29,7 +29,7 @@ SPLITS = ("val", "test")
 
 @dataclass
 class StageRecord:
-    accuracy: dict[str, np.ndarray]  # split -> per-client values of the task's primary metric (accuracy, mse)
+    primary: dict[str, np.ndarray]  # split -> per-client values of the task's primary metric (accuracy, mse)
     metrics: dict[str, float]  # final distributions, and the fractions of clients better / worse than before
     memory: dict[str, float]  # footprints, and the algorithm's per-client scalars (mean, max)
     clients: dict[str, list[Any]]  # the per-client table
@@ -43,7 +43,7 @@ def stage_record(stage: FederatedStage, split: ParamSplit, names: list[str], pea
     data, task = stage.data, stage.task
     primary = task.primary
     participants = list(range(data.n_clients)) if participants is None else [int(c) for c in participants]
-    accuracy = {s: stage.client_metrics[s][primary].numpy() for s in SPLITS}
+    ours = {s: stage.client_metrics[s][primary].numpy() for s in SPLITS}  # the primary metric per client
     metrics = {k: v for s in SPLITS for k, v in final_evaluation(stage, s).items()}
     metrics.update(beyond_participants_metrics(stage))
     sizes = split.report()
@@ -75,12 +75,12 @@ def stage_record(stage: FederatedStage, split: ParamSplit, names: list[str], pea
         clients[f"previous_test_{primary}"] = previous["test"].tolist()
         sign = 1 if task.higher_is_better else -1
         for s in SPLITS:
-            change = sign * (accuracy[s] - previous[s])
+            change = sign * (ours[s] - previous[s])
             metrics[f"{s}_{primary}_frac_better"] = float(np.nanmean(change > 0))
             metrics[f"{s}_{primary}_frac_worse"] = float(np.nanmean(change < 0))
     if len(novel):
         clients = with_novel_rows(stage, clients, [int(c) for c in novel], names, before)
-    return StageRecord(accuracy, metrics, memory, clients)
+    return StageRecord(ours, metrics, memory, clients)
 
 
 def beyond_participants_metrics(stage: FederatedStage) -> dict[str, float]:

@@ -1,55 +1,22 @@
 """The fast executors and their machinery, behind the core's `Executor`: vmap, vmap_autograd and bmm (every client
 of a chunk at once), the loops (one client per core at a time), and what they stand on: linear_graph (a model's
-Linear layers as batched matrix products), shared_start (a first step batched over clients), pooling, timing,
-memory and threads. The numbers are the sequential reference's (engine/sequential.py); only the speed differs.
+Linear layers as batched matrix products), shared_start (a first step batched over clients), pooling, timing and
+threads. The numbers are the sequential reference's (engine/sequential.py); only the speed differs.
 
-`choose` is the one place an `execution:` value becomes an executor ("auto": the rule of thumb below, until a stage
-has timed the candidates).
+The core sees two names of it: `ExecutorChoice` (which executor a stage runs, and the timing that chose it) and
+`Evaluator` (the per-client metrics, run the chosen executor's way); `executors` names every executor.
 """
 
-from __future__ import annotations
+from fedpilot.engine.accel.choice import ExecutorChoice
+from fedpilot.engine.accel.evaluate import Evaluator
+from fedpilot.engine.accel.executors import (
+           AUTO,
+           CANDIDATES,
+           EXECUTORS,
+           choose,
+           executor_candidates,
+           rule_of_thumb,
+)
 
-import torch
-from torch import nn
-
-from fedpilot.engine.accel.bmm import BmmExecutor
-from fedpilot.engine.accel.loop import BatchedFirstStepExecutor, ChannelsLastLoopExecutor, LoopExecutor
-from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapExecutor
-from fedpilot.engine.executor import Executor
-from fedpilot.engine.sequential import SequentialExecutor
-
-AUTO = "auto"  # the stage times the candidates on its first round; the rule of thumb before and for untimed work
-CANDIDATES: tuple[type[Executor], ...] = (VmapExecutor, VmapAutogradExecutor, LoopExecutor, BmmExecutor,
-                                          ChannelsLastLoopExecutor, BatchedFirstStepExecutor)
-EXECUTORS: dict[str, type[Executor]] = {e.name: e for e in (*CANDIDATES, SequentialExecutor)}
-# executors whose forward passes run batched over clients (evaluation vmaps the clients for them)
-VMAPPED = tuple(name for name, e in EXECUTORS.items() if e.batched)
-
-
-def executor_candidates(module: nn.Module, device: torch.device = torch.device("cpu")) -> list[str]:
-    """The executors a stage times on its first round, those that support the model: the loop; the two vmaps unless
-    the model has recurrent layers (torch.func cannot vmap the fused RNN kernels); for a model of Linear layers
-    `bmm` (`linear_graph` applies); with 2-d convolutions the channels-last loop, and the loop with a batched first
-    step where the model allows it (`shared_start.batchable`)."""
-    return [e.name for e in CANDIDATES if e.supports(module, device)]
-
-
-def rule_of_thumb(module: nn.Module, device: torch.device) -> type[Executor]:
-    """The executor for work no stage has timed (bench/README.md): recurrent layers and, on CPU, convolutions
-    (vmap turns conv2d into a grouped convolution) per client, everything else (a model's head alone, a Linear,
-    included) vmapped."""
-    if not VmapExecutor.supports(module, device) or (Executor.has_layers(module, nn.modules.conv._ConvNd)
-                                                      and device.type == "cpu"):
-        return LoopExecutor
-    return VmapExecutor
-
-
-def choose(requested: str, module: nn.Module, device: torch.device) -> type[Executor]:
-    """The executor for training or evaluating `module`: the one `requested` names (a stage's timed choice, or the
-    user's), or for "auto" the rule of thumb."""
-    return rule_of_thumb(module, device) if requested == AUTO else EXECUTORS[requested]
-
-
-def choose_execution(requested: str, module: nn.Module, device: torch.device) -> str:
-    """The name of `choose`'s executor."""
-    return choose(requested, module, device).name
+__all__ = ["AUTO", "CANDIDATES", "EXECUTORS", "Evaluator", "ExecutorChoice", "choose", "executor_candidates",
+           "rule_of_thumb"]

@@ -9,7 +9,7 @@ from torch import nn
 
 from fedpilot.engine.accel.linear_graph import NotBatched, linear_graph, output_grads, sgd_, weight_grads
 from fedpilot.engine.accel.vmap import VmapAutogradExecutor
-from fedpilot.engine.executor import Params, StepRule, models_own
+from fedpilot.engine.executor import StepRule, Tensors, models_own
 
 
 class BmmExecutor(VmapAutogradExecutor):
@@ -26,16 +26,16 @@ class BmmExecutor(VmapAutogradExecutor):
     def graph(self, module: nn.Module) -> Callable | None:
         return linear_graph(module) if models_own(self.forward) else None
 
-    def outputs(self, graph: Callable, trainable: Params, frozen: Params, fixed: Params, x, y, w) -> tuple:
+    def outputs(self, graph: Callable, trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w) -> tuple:
         """The trained layers' inputs and output gradients, and the clients' (loss, metric), of one pass."""
         return output_grads(graph, self.task, {**trainable, **frozen, **fixed}, list(trainable), x, y, w)
 
-    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Tensors, tuple]]:
         graph, vmapped = self.graph(module), super().step_grad
         if graph is None:
             return vmapped(module)
 
-        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+        def step(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w):
             try:
                 seen, loss, metric = self.outputs(graph, trainable, frozen, fixed, x, y, w)
             except NotBatched:
@@ -49,7 +49,7 @@ class BmmExecutor(VmapAutogradExecutor):
         if graph is None or not rule.plain:
             return gradient_step
 
-        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w, active):
+        def step(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w, active):
             try:
                 seen, loss, metric = self.outputs(graph, trainable, frozen, fixed, x, y, w)
             except NotBatched:

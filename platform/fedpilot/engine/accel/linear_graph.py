@@ -29,8 +29,8 @@ from torch import fx, nn
 
 from fedpilot.engine.task import Task
 
-Params = dict[str, torch.Tensor]
-Graph = Callable[[torch.Tensor, Params, "Tape"], torch.Tensor]
+Tensors = dict[str, torch.Tensor]
+Graph = Callable[[torch.Tensor, Tensors, "Tape"], torch.Tensor]
 
 
 class NotBatched(Exception):
@@ -121,7 +121,7 @@ def layer_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def output_grads(graph: Graph, task: Task, params: Params, trained: list[str], x: torch.Tensor, y: torch.Tensor,
+def output_grads(graph: Graph, task: Task, params: Tensors, trained: list[str], x: torch.Tensor, y: torch.Tensor,
                  w: torch.Tensor) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
     """One pass of K clients on x [K, B, ...] (labels y, 0/1 weights w [K, B]) at `params` (per-client [K, ...] or
     shared): for each layer of `trained` parameters that ran, its input A and the gradient of the clients' losses at
@@ -140,7 +140,7 @@ def output_grads(graph: Graph, task: Task, params: Params, trained: list[str], x
             metric)
 
 
-def weight_grads(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Params) -> Params:
+def weight_grads(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Tensors) -> Tensors:
     """Each client's gradient [K, ...] of every parameter in `params` from its layer's input and output gradient
     (zeros for a layer that did not run)."""
     grads = {}
@@ -153,7 +153,7 @@ def weight_grads(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Par
     return grads
 
 
-def sgd_(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Params, lr: dict[str, float],
+def sgd_(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Tensors, lr: dict[str, float],
          active: torch.Tensor) -> None:
     """Plain SGD in place on `params` [K, ...] of the layers in `seen`, for the clients whose `active` flag is set:
     W -= lr G^T A in one pass (no weight gradient in memory), b -= lr G summed over the rows."""

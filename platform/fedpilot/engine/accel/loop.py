@@ -11,21 +11,21 @@ import torch
 from torch import nn
 
 from fedpilot.engine.accel.linear_graph import NotBatched, layer_of, sgd_
-from fedpilot.engine.accel.memory import keep_freed_memory
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
-from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, models_own
+from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats, models_own
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
 
 
 def eager_client_grad(module: nn.Module, forward: Forward, task: Task,
-                      layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Params, tuple]]:
+                      layout: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., tuple[Tensors, tuple]]:
     """`client_grad` with plain autograd, parameters and inputs in `layout` (as they are, or channels-last)."""
     run = eager_client_pass(module, forward, task, layout)
 
-    def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+    def step(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w):
         grads, _, loss, metric = run(trainable, {}, frozen, fixed, x, y, w)
         return grads, (loss, metric)
 
@@ -41,7 +41,7 @@ def eager_client_pass(module: nn.Module, forward: Forward, task: Task,
     forward = with_measured_pooling(forward) if has_2d_maps(module) else forward
     modules = dict(module.named_modules())
 
-    def run(trainable: Params, through: Params, frozen: Params, fixed: Params, x, y, w):
+    def run(trainable: Tensors, through: Tensors, frozen: Tensors, fixed: Tensors, x, y, w):
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def record(layer: str) -> Callable:
@@ -82,7 +82,7 @@ def eager_client_stepper(module: nn.Module, forward: Forward, task: Task,
     linears = {name for name, m in module.named_modules() if isinstance(m, nn.Linear)} if (
         rule.plain and models_own(forward)) else set()
 
-    def step(mine: Params, frozen: Params, fixed: Params, x, y, w, active):
+    def step(mine: Tensors, frozen: Tensors, fixed: Tensors, x, y, w, active):
         own = {n: _own_version(p[0]) for n, p in mine.items()}
         through = {n: p for n, p in own.items() if layer_of(n) in linears}
         try:
@@ -118,14 +118,14 @@ class LoopExecutor(Executor):
     name = "loop"
     layout = staticmethod(_as_stored)
 
-    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
-              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         keep_freed_memory(batches.source.device)
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
         return self.steps_from(0, module, trained, trainable, frozen, fixed, batches, rule, stats)
 
-    def steps_from(self, first: int, module: nn.Module, trained: Params, start: Params, frozen: Params, fixed: Params,
-                   batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    def steps_from(self, first: int, module: nn.Module, trained: Tensors, start: Tensors, frozen: Tensors, fixed: Tensors,
+                   batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         """Each client's active steps of the plan from step `first` on, from its row of `start` (which may be
         `trained` itself), into its row of `trained`."""
 
@@ -143,8 +143,8 @@ class LoopExecutor(Executor):
         for_each_client(module, client, batches.index.shape[0], batches.source.device)
         return trained
 
-    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
-                  stats: TrainStats) -> Params:
+    def gradients(self, module: nn.Module, params: Tensors, frozen: Tensors, fixed: Tensors, batches: Batches,
+                  stats: TrainStats) -> Tensors:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
         device = batches.source.device
         keep_freed_memory(device)
@@ -195,8 +195,8 @@ class BatchedFirstStepExecutor(LoopExecutor):
         """Convolutional models that allow the batched first step (`shared_start.batchable`)."""
         return ChannelsLastLoopExecutor.supports(module, device) and batchable(module)
 
-    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
-              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         first = batches.active[:, 0]
         clients = {**trainable, **frozen}
         same_weights = all(p.stride(0) == 0 for p in clients.values())
@@ -211,12 +211,12 @@ class BatchedFirstStepExecutor(LoopExecutor):
         stats.add(loss, metric, first)
         return self.steps_from(1, module, trained, trained, frozen, fixed, batches, rule, stats)
 
-    def first_step(self, module: nn.Module, clients: Params, fixed: Params, trainable: list[str],
-                   batches: Batches) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+    def first_step(self, module: nn.Module, clients: Tensors, fixed: Tensors, trainable: list[str],
+                   batches: Batches) -> tuple[Tensors, torch.Tensor, torch.Tensor] | None:
         """`first_step_grads` of every client, batched over `clients_per_call` clients at a time."""
         forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
         count, groups = batches.index.shape[0], self.groups(batches.index.shape[0])
-        grads: Params = {}
+        grads: Tensors = {}
         losses, metrics = [], []
         for rows in groups:
             part = first_step_grads(module, forward, self.task, client_rows(clients, rows), fixed, trainable,

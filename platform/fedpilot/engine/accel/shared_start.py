@@ -25,7 +25,7 @@ from torch import nn
 from fedpilot.engine.accel.threads import for_each_client
 from fedpilot.engine.task import Task
 
-Params = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
 
 
 def _int_padding(conv: nn.Conv2d) -> tuple[int, ...] | None:
@@ -61,9 +61,9 @@ def _linear_per_client(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
     return y.view(out.shape)
 
 
-def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: Params, fixed: Params,
+def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: Tensors, fixed: Tensors,
                      trainable: list[str], x: torch.Tensor, y: torch.Tensor,
-                     w: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor] | None:
+                     w: torch.Tensor) -> tuple[Tensors, torch.Tensor, torch.Tensor] | None:
     """Each client's gradient [K, ...] of the `trainable` parameters on its batch x [K, B, ...] (labels y and 0/1
     weights w [K, B]), with its loss and metric [K], at the clients' `params` [K, ...] (a broadcast's rows are
     stride-0 views of the same weights) and the shared frozen `fixed`. Linear layers with per-client weights (a
@@ -71,42 +71,71 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: P
     samples. None when a layer with per-client weights is not a Linear layer, or a layer with trained or per-client
     weights was not applied exactly once to the K * B samples."""
     clients, samples = x.shape[0], x.shape[0] * x.shape[1]
-    apart = {n for n, p in params.items() if clients > 1 and p.stride(0) != 0}
-    modules = dict(module.named_modules())
-    owned = {name: [f"{name}.{p}" for p, _ in layer.named_parameters(recurse=False)] for name, layer in modules.items()}
-    per_client = {name for name, names in owned.items() if apart.intersection(names)}
-    if any(not isinstance(modules[name], nn.Linear) for name in per_client):
+    layout = _Layout.of(module, params, trainable, clients)
+    if layout is None:
         return None
-    layers = {name: modules[name] for name, names in owned.items()
-              if name not in per_client and any(n in trainable for n in names)}
-    own = {n: params[n].detach().requires_grad_(n in trainable) for name in per_client for n in owned[name]}
-    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in [*layers, *per_client]}
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in [*layout.shared, *layout.apart]}
 
     def record(name: str) -> Callable:
         def hook(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
             seen[name].append((args[0], out))
-            if name in per_client and args[0].shape[0] == samples:  # otherwise refused below
+            if name in layout.apart and args[0].shape[0] == samples:  # otherwise refused below
+                own = layout.own
                 return _linear_per_client(args[0], out, own[f"{name}.weight"], own.get(f"{name}.bias"), clients)
             return None
         return hook
 
-    hooks = [modules[name].register_forward_hook(record(name)) for name in seen]
+    hooks = [layout.modules[name].register_forward_hook(record(name)) for name in seen]
     try:
-        leaves = {**{n: v[0].detach().requires_grad_(n in trainable and n not in own) for n, v in params.items()},
+        leaves = {**{n: v[0].detach().requires_grad_(n in trainable and n not in layout.own) for n, v in params.items()},
                   **fixed}
         with torch.enable_grad():
             output = forward(module, leaves, x.flatten(0, 1))
             loss, metric = task.client_losses(output.unflatten(0, (clients, -1)), y, w)
             if any(len(io) != 1 or io[0][0].shape[0] != samples for io in seen.values()):
                 return None
-            mine = [n for n in trainable if n in own]
-            found = torch.autograd.grad(loss.sum(), [seen[name][0][1] for name in layers] + [own[n] for n in mine],
-                                        materialize_grads=True)
+            mine = [n for n in trainable if n in layout.own]
+            found = torch.autograd.grad(loss.sum(), [seen[name][0][1] for name in layout.shared]
+                                        + [layout.own[n] for n in mine], materialize_grads=True)
     finally:
         for hook in hooks:
             hook.remove()
-    output_grads = found[:len(layers)]
-    grads: Params = dict(zip(mine, found[len(layers):], strict=True))
+    grads = {**dict(zip(mine, found[len(layout.shared):], strict=True)),
+             **_weight_grads(module, layout.shared, seen, found[:len(layout.shared)], clients)}
+    return {n: grads[n].to(params[n].dtype) for n in trainable}, loss.detach(), metric
+
+
+class _Layout:
+    """Where a first step's gradients come from: the `shared` layers with trained weights the clients share (their
+    weight gradients from each client's rows of their inputs and output gradients), and the Linear layers with
+    weights of each client's own (`apart`, their parameters `own`, differentiated directly)."""
+
+    def __init__(self, modules: dict[str, nn.Module], shared: dict[str, nn.Module], apart: set[str], own: Tensors):
+        self.modules, self.shared, self.apart, self.own = modules, shared, apart, own
+
+    @classmethod
+    def of(cls, module: nn.Module, params: Tensors, trainable: list[str], clients: int) -> _Layout | None:
+        """The layout of `module` at the clients' `params`; None when a layer with per-client weights is not a
+        Linear layer."""
+        apart_names = {n for n, p in params.items() if clients > 1 and p.stride(0) != 0}
+        modules = dict(module.named_modules())
+        owned = {name: [f"{name}.{p}" for p, _ in layer.named_parameters(recurse=False)]
+                 for name, layer in modules.items()}
+        apart = {name for name, names in owned.items() if apart_names.intersection(names)}
+        if any(not isinstance(modules[name], nn.Linear) for name in apart):
+            return None
+        shared = {name: modules[name] for name, names in owned.items()
+                  if name not in apart and any(n in trainable for n in names)}
+        own = {n: params[n].detach().requires_grad_(n in trainable) for name in apart for n in owned[name]}
+        return cls(modules, shared, apart, own)
+
+
+def _weight_grads(module: nn.Module, layers: dict[str, nn.Module], seen: dict[str, list[tuple]],
+                  output_grads: tuple[torch.Tensor, ...], clients: int) -> Tensors:
+    """Each client's weight and bias gradients [K, ...] of the shared `layers`, from their inputs `seen` and the
+    gradients at their outputs: a Linear layer's by one batched matmul, a Conv2d's by the convolution's weight
+    gradient on each client's rows (on the engine's per-client threads)."""
+    grads: Tensors = {}
     convolutions = []
     for (name, layer), g in zip(layers.items(), output_grads, strict=True):
         a, g = seen[name][0][0].detach().unflatten(0, (clients, -1)), g.unflatten(0, (clients, -1))
@@ -125,5 +154,5 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: P
                                                                _int_padding(layer), layer.dilation, layer.groups)
 
     if convolutions:
-        for_each_client(module, client, clients, x.device)
-    return {n: grads[n].to(params[n].dtype) for n in trainable}, loss.detach(), metric
+        for_each_client(module, client, clients, convolutions[0][2].device)
+    return grads

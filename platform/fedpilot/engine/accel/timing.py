@@ -11,7 +11,7 @@ from typing import NamedTuple, TypeVar
 import psutil
 import torch
 
-from fedpilot.engine.accel.memory import MemoryRise, PeakMemory, process_status, release_freed_memory
+from fedpilot.engine.memory import MemoryRise, PeakMemory, process_status, release_freed_memory
 
 T = TypeVar("T")
 TIMING_BUDGET_S = 5.0  # past this, `fastest` drops clear losers by their warm-up and starts no further turn

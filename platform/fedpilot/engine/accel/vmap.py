@@ -9,22 +9,22 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from fedpilot.engine.accel.memory import keep_freed_memory
-from fedpilot.engine.executor import Batches, Executor, Forward, Params, StepRule, TrainStats, per_client
+from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats, per_client
+from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
 
 
-def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
+def client_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Tensors, tuple]]:
     """grad(trainable, per_client_frozen, shared_frozen, x, y, w) of one client, with (loss, metric) as aux."""
 
-    def loss(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+    def loss(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w):
         value, metric = task.loss(forward(module, {**trainable, **frozen, **fixed}, x), y, w)
         return value, (value, metric)
 
     return grad(loss, has_aux=True)
 
 
-def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Params, tuple]]:
+def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..., tuple[Tensors, tuple]]:
     """The gradients of every client at once [K, ...] with each client's (loss, metric), by autograd through the
     vmapped losses: a client's loss depends only on its own rows, so the gradient of the clients' summed loss holds
     each client's gradient in its row. Parameters nothing depends on get zeros, as under vmap(grad)."""
@@ -32,7 +32,7 @@ def clients_grad(module: nn.Module, forward: Forward, task: Task) -> Callable[..
                                                                                  x), y, w),
                   in_dims=(0, 0, None, 0, 0, 0), randomness="different")
 
-    def step(trainable: Params, frozen: Params, fixed: Params, x, y, w):
+    def step(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w):
         leaves = {n: p.detach().requires_grad_() for n, p in trainable.items()}
         with torch.enable_grad():
             value, metric = losses(leaves, frozen, fixed, x, y, w)
@@ -54,7 +54,7 @@ class VmapExecutor(Executor):
         """Not recurrent layers: torch.func cannot vmap the fused RNN kernels."""
         return not cls.has_layers(module, nn.RNNBase)
 
-    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Tensors, tuple]]:
         """step(trainable, frozen, fixed, x, y, w) -> (every client's gradient [K, ...], (loss, metric) [K])."""
         return vmap(client_grad(module, self.forward, self.task), in_dims=(0, 0, None, 0, 0, 0),
                     randomness="different")
@@ -64,15 +64,15 @@ class VmapExecutor(Executor):
         [K, ...], returning each client's (loss, metric) [K]."""
         step_grad = self.step_grad(module)
 
-        def step(trainable: Params, frozen: Params, fixed: Params, x, y, w, active):
+        def step(trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w, active):
             grads, (loss, metric) = step_grad(trainable, frozen, fixed, x, y, w)
             rule.apply_(trainable, grads, active)
             return loss, metric
 
         return step
 
-    def train(self, module: nn.Module, trainable: Params, frozen: Params, fixed: Params,
-              batches: Batches, rule: StepRule, stats: TrainStats) -> Params:
+    def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
+              batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         keep_freed_memory(batches.source.device)
         trainable = {n: p.clone() for n, p in trainable.items()}
         groups = [(rows, self.stepper(module, rule.for_rows(rows, trainable)), stats.rows(rows),
@@ -88,8 +88,8 @@ class VmapExecutor(Executor):
                 their_stats.add(loss, acc, active)
         return trainable
 
-    def gradients(self, module: nn.Module, params: Params, frozen: Params, fixed: Params, batches: Batches,
-                  stats: TrainStats) -> Params:
+    def gradients(self, module: nn.Module, params: Tensors, frozen: Tensors, fixed: Tensors, batches: Batches,
+                  stats: TrainStats) -> Tensors:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
         step_grad = self.step_grad(module)
         total = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -116,15 +116,15 @@ class VmapAutogradExecutor(VmapExecutor):
 
     name = "vmap_autograd"
 
-    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Params, tuple]]:
+    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Tensors, tuple]]:
         return clients_grad(module, self.forward, self.task)
 
 
-def client_rows(params: Params, rows: slice) -> Params:
+def client_rows(params: Tensors, rows: slice) -> Tensors:
     """The clients of `rows` of per-client parameters [K, ...] (views)."""
     return {n: p[rows] for n, p in params.items()}
 
 
-def mean_of_steps(total: Params, count: torch.Tensor) -> Params:
+def mean_of_steps(total: Tensors, count: torch.Tensor) -> Tensors:
     """Per-client sums of step gradients [K, ...] divided by each client's number of active steps."""
-    return {n: t / count.clamp_min(1).view(-1, *[1] * (t.dim() - 1)) for n, t in total.items()}
+    return {n: t / per_client(count.clamp_min(1), t) for n, t in total.items()}

@@ -1,0 +1,151 @@
+"""Which executor a stage runs: the one `execution:` names, or under `auto` the candidate the stage's first round times
+fastest (or leanest where the fastest is not believably faster). The choice keeps its own record, logged with the
+stage, and its own checkpoint state, so that a resumed stage goes on with the executor it chose (same numbers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fedpilot.engine.accel.executors import AUTO, choose, executor_candidates
+from fedpilot.engine.accel.timing import TRIAL_STEPS, Timed, best_time, clients_per_call, fastest
+from fedpilot.engine.ddp import distributed
+from fedpilot.engine.executor import Executor, Forward, plain_forward
+from fedpilot.engine.memory import release_freed_memory
+from fedpilot.engine.protocol import Algorithm
+from fedpilot.engine.task import Task
+
+Executors = tuple[Executor, Executor | None]  # the executor of a stage's local work, and of its head-only work
+
+
+class Trial(Protocol):
+    """The local work of a round's first chunk of clients, on copies of their rows (what it computes is thrown away):
+    `trial(executors, steps, clients)` runs the first `clients` of the chunk (None: all), `steps` steps a phase."""
+
+    clients: int  # the chunk's
+
+    def __call__(self, executors: Executors, steps: int, clients: int | None = None) -> None: ...
+
+
+class ExecutorChoice:
+    """The executor of a stage's local work and evaluation (`name`), applying the model with the `algorithm`'s
+    `forward`, and under `auto`, once timed, what each candidate measured: `seconds` and `peak_bytes` on the first
+    round's first chunk, `clients_per_call` of those that batch clients, and `timing_s`, what the timing took."""
+
+    def __init__(self, requested: str, model: nn.Module, algorithm: Algorithm, task: Task):
+        self.requested, self.model, self.task = requested, model, task
+        self.forward: Forward = plain_forward if algorithm.models_forward else algorithm.forward
+        self.name = requested  # "auto" until the first round times the candidates
+        self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
+        self.clients_per_call: dict[str, int] = {}
+        self.timing_s: float | None = None
+        self._built: dict[tuple, Executors] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether the next round first times the candidates (`execution: auto`, not yet chosen)."""
+        return self.name == AUTO
+
+    def pin(self, name: str, per_call: int | None = None) -> None:
+        """Run executor `name` (also `sequential`, the tests' reference), batching `per_call` clients a call."""
+        self.name, self.clients_per_call = name, {name: per_call} if per_call else {}
+
+    def executors(self, device: torch.device) -> Executors:
+        """The chosen executors on `device`: a timed choice was timed on whole-model work, so head-only work keeps
+        the rule of thumb for the head."""
+        return self.build(self.name, bool(self.seconds), device)
+
+    def build(self, name: str, timed: bool, device: torch.device, per_call: int | None = None) -> Executors:
+        """Executor `name` of the stage's local work, batching at most `per_call` clients a call (by default as many
+        as the timing measured, or all), and the one of its head-only work on the body's features (None: head-only
+        work runs as any other): the rule of thumb for the head where `timed`, else `name`; built once."""
+        per_call = per_call or self.clients_per_call.get(name)
+        key = (name, timed, device, per_call)
+        if key not in self._built:
+            executor = choose(name, self.model, device)(self.forward, self.task, per_call)
+            head = getattr(self.model, "head", None)
+            kind = choose(AUTO if timed else name, head, device) if head is not None else None
+            self._built[key] = executor, kind(plain_forward, self.task) if kind and kind.uses_features else None
+        return self._built[key]
+
+    def time(self, trial: Callable[[], Trial], device: torch.device) -> None:
+        """Time the candidates on the first TRIAL_STEPS steps of every local phase of `trial()`'s clients, after a
+        warm-up run of each on the first step (thrown away: nothing is written and the random state is restored),
+        and keep the fastest for the stage, or a leaner one the fastest is not believably faster than
+        (`timing.kept`). Executors that batch clients first measure how many a call takes
+        (`timing.clients_per_call`), so that neither their timing nor their rounds hold more clients' work at once
+        than their speed gains from, and one that its calls show to be believably slower than a warm-up of the
+        others takes no warm-up or turn. bf16 is never a candidate: it changes the numbers; `precision:
+        bf16-mixed` times the candidates under bf16. Under DDP every process takes rank 0's choice."""
+        began = time.perf_counter()
+        candidates = executor_candidates(self.model, device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            runs = _Runs(self, trial(), device)
+            timed = self._measured(candidates, runs)
+        release_freed_memory(device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
+        chosen = [(timed, self.clients_per_call)]
+        if distributed():
+            dist.broadcast_object_list(chosen, src=0)
+        (self.name, self.seconds, self.peak_bytes), self.clients_per_call = chosen[0]
+        self.timing_s = time.perf_counter() - began
+
+    def _measured(self, candidates: list[str], runs: _Runs) -> Timed:
+        """Each candidate's clients a call (those that batch clients), then `fastest`'s turns: the kept candidate,
+        and the seconds of a turn of each (of a left-out one, TRIAL_STEPS of its measured step)."""
+        model, device, clients = self.model, runs.device, runs.trial.clients
+        sized = {name: clients_per_call(partial(runs.call_seconds, name), clients, device)
+                 for name in candidates if choose(name, model, device).groups_clients}
+        self.clients_per_call = {name: size.clients for name, size in sized.items()}
+        known = {name: size.seconds_per_client * clients for name, size in sized.items()
+                 if size.seconds_per_client is not None}  # one step a phase of the chunk: the warm-up's work
+        timed = fastest(candidates, runs.run, device, weigh_memory=True, warm_up=runs.warm_up, known=known)
+        left_out = {n: TRIAL_STEPS * known[n] for n in timed.seconds if n in known and n not in timed.peak_bytes}
+        return timed._replace(seconds={**timed.seconds, **left_out})  # a turn's steps, at its measured step
+
+    def record(self) -> dict[str, float]:
+        """The metrics a stage logs of its choice (none for a pinned executor)."""
+        return {**{f"executor_seconds_{n}": v for n, v in self.seconds.items()},
+                **{f"executor_peak_bytes_{n}": v for n, v in self.peak_bytes.items()},
+                **{f"executor_clients_per_call_{n}": v for n, v in self.clients_per_call.items()},
+                **({"executor_timing_s": self.timing_s} if self.timing_s is not None else {})}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"execution": self.name, "executor_seconds": self.seconds, "executor_peak_bytes": self.peak_bytes,
+                "clients_per_call": self.clients_per_call, "executor_timing_s": self.timing_s}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Under `auto`, the choice a checkpoint saved (a resumed stage goes on with it); a pinned one stays."""
+        if self.requested != AUTO:
+            return
+        self.name = saved.get("execution", self.name)
+        self.seconds = dict(saved.get("executor_seconds", {}))
+        self.peak_bytes = dict(saved.get("executor_peak_bytes", {}))
+        self.clients_per_call = dict(saved.get("clients_per_call", {}))
+        self.timing_s = saved.get("executor_timing_s")
+
+
+class _Runs:
+    """A trial's runs by candidate name, as `fastest` and `clients_per_call` take them."""
+
+    def __init__(self, choice: ExecutorChoice, trial: Trial, device: torch.device):
+        self.choice, self.trial, self.device = choice, trial, device
+
+    def run(self, name: str, steps: int = TRIAL_STEPS, clients: int | None = None, per_call: int | None = None) -> None:
+        """The trial by candidate `name`, batching `per_call` clients a call (by default as measured)."""
+        self.trial(self.choice.build(name, False, self.device, per_call), steps, clients)
+
+    def warm_up(self, name: str) -> None:
+        """The trial's first step a phase: the first call's costs, and the same peak memory."""
+        self.run(name, steps=1)
+
+    def call_seconds(self, name: str, clients: int) -> float:
+        """The first step of each local phase of the trial's first `clients` clients in one call (a first step is
+        the batched one of `loop_batched_first`)."""
+        return best_time(lambda: self.run(name, 1, clients, clients), self.device, repeats=1, warm=False)

@@ -5,6 +5,8 @@ or raises the errors of fedpilot.errors, which `common.fail` turns into one line
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 from fedpilot.cli import browse, jobs, pipeline
@@ -28,6 +30,19 @@ for command in (pipeline.validate, pipeline.run, pipeline.search, pipeline.compa
 app.add_typer(jobs.jobs_app, name="jobs")
 app.add_typer(jobs.schedule_app, name="schedule")
 app.add_typer(new_app, name="new")
+
+
+@app.callback()
+def _notices() -> None:
+    """What the layers below tell the user at once (fedpilot's log at WARNING: a stop asked by a signal, a worker's
+    lost job) goes to stderr as it is."""
+    logger = logging.getLogger("fedpilot")
+    if not any(getattr(h, "fedpilot_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.fedpilot_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def main() -> None:

@@ -66,56 +66,38 @@ def validate(
                 f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)
 
 
+Resume = Annotated[str | None, typer.Option(help="Continue an interrupted run (its MLflow parent run id) from its last "
+                                                 "checkpoint.")]
+UseCache = Annotated[bool, typer.Option(help="Reuse finished stages from the stage cache (--no-cache recomputes every "
+                                             "stage and refreshes the cache).")]
+
+
 def run(
     pipeline: Annotated[Path | None, typer.Argument(help="Pipeline YAML file (not needed with --resume).")] = None,
-    overrides: Overrides = None,
-    resume: Annotated[str | None, typer.Option(help="Continue an interrupted run (its MLflow parent run id) "
-                                                    "from its last checkpoint.")] = None,
-    cache_dir: Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
-                                                       "$FEDPILOT_CACHE or .fedpilot-cache).")] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = True,
-    cache: Annotated[bool, typer.Option(help="Reuse finished stages from the stage cache (--no-cache recomputes "
-                                             "every stage and refreshes the cache).")] = True,
+    overrides: Overrides = None, resume: Resume = None, cache_dir: CacheDir = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = True, cache: UseCache = True,
     result_file: ResultFile = None,
 ) -> None:
     """Run a pipeline's stages in order, recording everything in MLflow; ends with `run_id: <parent run id>`.
 
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
-    from fedpilot.settings import check_cache, check_output, check_tracking
-    from fedpilot.spec import PipelineSpec, load_pipeline
+    from fedpilot.settings import check_output
 
     try:
         check_output("--result-file", result_file)
     except UserError as err:  # not written to the result file: it may have no folder
         fail(err)
     try:
-        root = check_cache(cache_dir)
-        if resume:
-            if pipeline is not None or overrides:
-                raise SpecError("--resume", resume, "a resumed run uses its recorded pipeline; give no file or "
-                                "overrides")
-            from fedpilot.tracking import load_resumed_spec
-
-            spec = PipelineSpec.from_dict(load_resumed_spec(resume, check_tracking(reach=True)))
-        elif pipeline is None:
-            raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
-        else:
-            spec = load_pipeline(pipeline, overrides or [])
-        check_tracking(spec.tracking.uri, reach=True)
-        # torch, Lightning and MLflow load only for a valid spec: a bad input is refused in a second or two
-        from fedpilot.pipeline.progress import quiet_lightning
-        from fedpilot.pipeline.runner import PipelineRunner
-        from fedpilot.pipeline.signals import Stopped
-
-        quiet_lightning()
-        runner = PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
+        spec, runner = _runner(pipeline, overrides or [], resume, cache_dir, progress, cache)
     except UserError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
     if runner.rank > 0:  # a DDP process Lightning started for `devices` > 1: it trains, rank 0 reports
         runner.follow(resume)
         return
+    from fedpilot.pipeline.signals import Stopped
+
     name = " ".join([spec.name, *(overrides or [])])  # the run's name says what differs from the pipeline file
     typer.echo(f"pipeline {name}: {runner.data.n_clients} clients, model {spec.model.name}, device "
                f"{runner.device.type} x{spec.devices}, tracking {runner.uri}")
@@ -128,11 +110,35 @@ def run(
         raise typer.Exit(stop.code) from None
     except StageFailed as err:  # diverged: a resumed run would diverge again, so no --resume is offered
         fail(err)
-    typer.echo("")
-    typer.echo(format_outcomes(result.stages, runner.task.primary))
-    typer.echo("")
+    typer.echo(f"\n{format_outcomes(result.stages, runner.task.primary)}\n")
     typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, spec.tracking.plots))
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _runner(pipeline: Path | None, overrides: list[str], resume: str | None, cache_dir: Path | None,
+            progress: bool, cache: bool) -> tuple[Any, Any]:
+    """The spec (from the file, or the run --resume names) and its PipelineRunner, every input checked first:
+    torch, Lightning and MLflow load only for a valid spec, so a bad input is refused in a second or two."""
+    from fedpilot.settings import check_cache, check_tracking
+    from fedpilot.spec import PipelineSpec, load_pipeline
+
+    root = check_cache(cache_dir)
+    if resume:
+        if pipeline is not None or overrides:
+            raise SpecError("--resume", resume, "a resumed run uses its recorded pipeline; give no file or overrides")
+        from fedpilot.tracking import load_resumed_spec
+
+        spec = PipelineSpec.from_dict(load_resumed_spec(resume, check_tracking(reach=True)))
+    elif pipeline is None:
+        raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
+    else:
+        spec = load_pipeline(pipeline, overrides)
+    check_tracking(spec.tracking.uri, reach=True)
+    from fedpilot.pipeline.progress import quiet_lightning
+    from fedpilot.pipeline.runner import PipelineRunner
+
+    quiet_lightning()
+    return spec, PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
 
 
 def format_outcomes(stages: list, metric: str) -> str:
@@ -164,32 +170,34 @@ def where_to_look(uri: str, experiment_id: str, run_id: str, report: bool) -> st
     return f"{browse}\nreport: {path or ui_url(uri, experiment_id, run_id, REPORT_ARTIFACT)}"
 
 
+SetFile = Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml (not "
+                                                   "needed with --resume).")]
+Tune = Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials each "
+                                               "(the set's `tune:` block, with trials N).")]
+Untuned = Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
+                                                         "comparison's seeds (default vs tuned).")]
+ResumeComparison = Annotated[str | None, typer.Option("--resume", help="Go on with a stopped or killed comparison (its "
+                                                                       "MLflow run id); the same command does too.")]
+Storage = Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
+                                                  "$FEDPILOT_DB or sqlite:///fedpilot.db).")]
+Heartbeat = Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process silent for "
+                                             "3 heartbeats has its work taken over.")]
+Trials = Annotated[int | None, typer.Option(help="Finished trials the study should have in total (default: the search "
+                                                 "block's `trials`).")]
+Study = Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the pipeline "
+                                                "name); an existing study is resumed.")]
+
+
 def search(
-    pipeline: Pipeline,
-    overrides: Overrides = None,
-    trials: Annotated[int | None, typer.Option(help="Finished trials the study should have in total "
-                                                    "(default: the search block's `trials`).")] = None,
-    storage: Annotated[str | None, typer.Option(help="Optuna storage URL (default $FEDPILOT_DB or "
-                                                     "sqlite:///fedpilot.db; postgresql+psycopg://... for a team).")] = None,
-    study: Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the "
-                                                   "pipeline name); an existing study is resumed.")] = None,
-    cache_dir: CacheDir = None,
-    heartbeat_seconds: Annotated[int, typer.Option(help="Trial heartbeat (1 to 86400); a trial silent for 3 "
-                                                        "heartbeats is failed and retried.")] = 10,
-    result_file: ResultFile = None,
-    to: Annotated[str | None, typer.Option("--to", help="Run the trials elsewhere instead of in this process: "
-                                                        "`slurm` (a job array) or `queue` (fedpilot workers).")] = None,
-    parallel: Parallel = 1,
+    pipeline: Pipeline, overrides: Overrides = None, trials: Trials = None, storage: Storage = None,
+    study: Study = None, cache_dir: CacheDir = None, heartbeat_seconds: Heartbeat = 10,
+    result_file: ResultFile = None, to: To = None, parallel: Parallel = 1,
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
     """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
     `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
-    from fedpilot.data.federated import staging
-    from fedpilot.names import check_name
-    from fedpilot.pipeline.checks import prepare
-    from fedpilot.settings import SQL_INT_MAX, check_cache, check_output, check_tracking, platform_db
-    from fedpilot.spec import load_pipeline
+    from fedpilot.settings import SQL_INT_MAX, check_output
 
     try:  # the options, before anything (errors here are not written to the result file: it may have no folder)
         check_output("--result-file", result_file)
@@ -203,23 +211,7 @@ def search(
                           slurm_flags(partition, gpus, cpus, mem, time, account, qos))
         return
     try:
-        if study is not None:
-            check_name("--study", study)
-        storage_url, _ = platform_db(storage, "--storage")
-        root = check_cache(cache_dir)
-        spec = load_pipeline(pipeline, overrides or [])
-        if spec.search is None:
-            raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
-        check_tracking(spec.tracking.uri, reach=True)
-        with staging():  # a new dataset becomes a cache entry once the study and its MLflow run exist
-            prepare(spec, root)  # every input check before the study and its MLflow run exist
-            # torch, Lightning and MLflow load once every input is checked
-            from fedpilot.pipeline.progress import quiet_lightning
-            from fedpilot.tuning import Search, quiet_optuna
-
-            quiet_lightning()
-            quiet_optuna()
-            runner = Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
+        spec, runner = _search(pipeline, overrides or [], trials, storage, study, cache_dir, heartbeat_seconds)
     except UserError as err:
         write_result(result_file, status="failed", error=str(err))
         fail(err)
@@ -232,6 +224,34 @@ def search(
                f"{'/'.join(o.metric for o in spec.search.objective)} = {best} with {result.best_params}; "
                f"{result.rounds_trained} rounds trained by this process")
     typer.echo(f"run_id: {result.run_id}")
+
+
+def _search(pipeline: Path, overrides: list[str], trials: int | None, storage: str | None, study: str | None,
+            cache_dir: Path | None, heartbeat_seconds: int) -> tuple[Any, Any]:
+    """The spec and its Search (the study and its MLflow run made), every input checked first; torch, Lightning and
+    MLflow load once every input is checked."""
+    from fedpilot.data.federated import staging
+    from fedpilot.names import check_name
+    from fedpilot.pipeline.checks import prepare
+    from fedpilot.settings import check_cache, check_tracking, platform_db
+    from fedpilot.spec import load_pipeline
+
+    if study is not None:
+        check_name("--study", study)
+    storage_url, _ = platform_db(storage, "--storage")
+    root = check_cache(cache_dir)
+    spec = load_pipeline(pipeline, overrides)
+    if spec.search is None:
+        raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
+    check_tracking(spec.tracking.uri, reach=True)
+    with staging():  # a new dataset becomes a cache entry once the study and its MLflow run exist
+        prepare(spec, root)  # every input check before the study and its MLflow run exist
+        from fedpilot.pipeline.progress import quiet_lightning
+        from fedpilot.tuning import Search, quiet_optuna
+
+        quiet_lightning()
+        quiet_optuna()
+        return spec, Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
 
 
 def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int | None, storage: str | None,
@@ -259,20 +279,6 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
     except UserError as err:
         fail(err)
     typer.echo(" ".join(map(str, ids)))
-
-
-SetFile = Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml (not "
-                                                   "needed with --resume).")]
-Tune = Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials each "
-                                               "(the set's `tune:` block, with trials N).")]
-Untuned = Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
-                                                         "comparison's seeds (default vs tuned).")]
-ResumeComparison = Annotated[str | None, typer.Option("--resume", help="Go on with a stopped or killed comparison (its "
-                                                                       "MLflow run id); the same command does too.")]
-Storage = Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
-                                                  "$FEDPILOT_DB or sqlite:///fedpilot.db).")]
-Heartbeat = Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process silent for "
-                                             "3 heartbeats has its work taken over.")]
 
 
 def compare(

@@ -55,7 +55,7 @@ class ComparisonSpec(Strict):
 
     name: str
     baseline: str | None = None
-    seeds: int | list[Seed] = Field(3)
+    seeds: int | list[int] = Field(3)  # each checked as a pipeline's seed
     pipelines: list[str] = Field(min_length=1)
     overrides: list[str] = Field(default_factory=list)
     tune: TuneSpec | None = None

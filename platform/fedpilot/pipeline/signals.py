@@ -3,8 +3,8 @@ SIGUSR1 and SIGUSR2 do the same: they are what a Slurm job receives shortly befo
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +19,7 @@ class Stopped(SystemExit):
     """A pipeline stopped on SIGINT/SIGTERM after a round, with a checkpoint (exit code 128 + the signal)."""
 
 
+log = logging.getLogger(__name__)  # what the user is told at once: the CLI shows fedpilot's log on stderr
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _STOP: dict[str, int] = {}  # the signal that asked the running pipeline to stop, if any
 _LISTENING = threading.Event()  # set while stop_on_signals' block runs
@@ -29,8 +30,8 @@ def _ask(signum: int, frame: Any) -> None:
     if _STOP and signum == signal.SIGINT:
         raise KeyboardInterrupt
     _STOP.setdefault("signal", signum)  # the first reason stays (a time-limit warning, then Slurm's SIGTERM)
-    print(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
-          "once)", file=sys.stderr, flush=True)
+    log.warning(f"\n{signal.Signals(signum).name}: stopping after this round with a checkpoint (Ctrl+C again: at "
+                "once)")
 
 
 def stop_asked() -> int | None:

@@ -46,9 +46,10 @@ def _config(root: Path, host: str) -> str:
     return "\n".join([
         "ClusterName=fedpilot-test", f"SlurmctldHost={host}", f"SlurmctldPort={_free_port()}",
         f"SlurmdPort={_free_port()}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"AuthInfo=socket={root}/munge/munge.socket,cred_expire={CRED_EXPIRE_S}", "CredType=cred/munge", f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool", f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd.log",
+        f"AuthInfo=socket={root}/munge/munge.socket,cred_expire={CRED_EXPIRE_S}", "CredType=cred/munge",
+        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool", f"SlurmctldPidFile={root}/slurmctld.pid",
+        f"SlurmdPidFile={root}/slurmd.pid", f"SlurmctldLogFile={root}/log/slurmctld.log",
+        f"SlurmdLogFile={root}/log/slurmd.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MpiDefault=none",

@@ -1,5 +1,5 @@
-"""FFGG (Mishchenko et al. 2023): Theorems 1-4 on the paper's linear-quadratic problem; the engine's rounds are Algorithms 1-5
-computed by hand; vectorized = sequential; the robust aggregator against Definition 2; bad params."""
+"""FFGG (Mishchenko et al. 2023): Theorems 1-4 on the paper's linear-quadratic problem; the engine's rounds are
+Algorithms 1-5 computed by hand; vectorized = sequential; the robust aggregator against Definition 2; bad params."""
 
 from __future__ import annotations
 
@@ -310,7 +310,8 @@ def test_sign_flipping_byzantines_send_minus_scale_times_their_gradient():
 def test_robust_without_byzantines_and_a_plain_mean_is_ffgg():
     params = {"tau": 2, "lr_w": 0.5}
     robust = {**params, "byzantine_fraction": 0.0, "rule": "mean", "bucket_size": 1}
-    assert_close(shared_of(stage_of("ffgg_robust", robust, rounds=2)[0]), shared_of(stage_of("ffgg", params, rounds=2)[0]))
+    assert_close(shared_of(stage_of("ffgg_robust", robust, rounds=2)[0]),
+                 shared_of(stage_of("ffgg", params, rounds=2)[0]))
 
 
 def test_robust_ffgg_under_noise_attack_keeps_the_honest_progress_while_averaging_is_thrown_off():

@@ -64,8 +64,8 @@ def test_exact_knapsack_is_the_best_subset_that_fits():
 
 
 def test_greedy_knapsack_gap_to_the_exact_solution_on_the_digits_mlp():
-    """The numbers in docs/algorithms.md (pFedGate's knapsack): greedy reaches ~99.5% of the exact objective on average, at worst
-    ~91%, and the exact choice is strictly better on ~38% of uniform random importance draws."""
+    """The numbers in docs/algorithms.md (pFedGate's knapsack): greedy reaches ~99.5% of the exact objective on average,
+    at worst ~91%, and the exact choice is strictly better on ~38% of uniform random importance draws."""
     exact, greedy = digits_gate("auto"), digits_gate("greedy")
     assert exact.exact and not greedy.exact
     gen = torch.Generator().manual_seed(0)

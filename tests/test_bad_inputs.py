@@ -467,7 +467,8 @@ def hf_data(tmp_path_factory) -> Path:
                                         "text": ["hello"] * 40, "ragged": [[1.0] * (1 + i % 3) for i in range(40)],
                                         "z": [i * 0.37 for i in range(40)],
                                         "nan_z": [math.nan if i == 3 else i * 0.37 for i in range(40)],
-                                        "inf_x": [[math.inf, -math.inf] if i == 5 else [float(i), 1.0] for i in range(40)]})
+                                        "inf_x": [[math.inf, -math.inf] if i == 5 else [float(i), 1.0]
+                                                  for i in range(40)]})
     table.to_parquet(str(root / "numbers.parquet"))
     (root / "folder").mkdir()
     table.to_parquet(str(root / "folder" / "train.parquet"))
@@ -624,8 +625,8 @@ AFTER_BUILD = [
     case("search-several-devices", "devices=2", SEARCHABLE, "devices=2", command=("search",)),  # refused by Search
     case("submit-trials-without-search", "--trials=3: only search jobs have trials", BASE, "--trials", "3",
          command=("submit",)),
-    case("submit-run-in-parallel", "--parallel=2: only a search or a comparison runs in parallel", BASE, "--parallel", "2",
-         command=("submit",)),
+    case("submit-run-in-parallel", "--parallel=2: only a search or a comparison runs in parallel", BASE, "--parallel",
+         "2", command=("submit",)),
 ]
 
 

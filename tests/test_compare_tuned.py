@@ -53,7 +53,8 @@ def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(
     record = recorded(client, run_id, workdir)
     assert record["tuning_seeds"] == [2] and record["seeds"] == [0, 1] and record["objective"] == "val_acc_mean"
     experiment = client.get_run(run_id).info.experiment_id
-    for pipeline, keys in (("base", {"stages.1.local.lr"}), ("other", {"stages.1.params.lr_u", "stages.1.params.lr_v"})):
+    for pipeline, keys in (("base", {"stages.1.local.lr"}),
+                           ("other", {"stages.1.params.lr_u", "stages.1.params.lr_v"})):
         study = optuna.load_study(study_name=record["tuning"][pipeline]["study"], storage=storage)
         trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
         assert len(trials) == 3 and set(trials[0].params) == keys  # exactly N finished: an equal budget

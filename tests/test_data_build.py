@@ -104,7 +104,8 @@ def test_describe_and_format_summary(tmp_path):
     assert summary["clients"] == 20 and summary["num_classes"] == 10 and summary["feature_shape"] == [1, 8, 8]
     assert sum(summary["samples"].values()) == 1797
     train = summary["sizes"]["train"]
-    assert train["min"] <= train["p10"] <= train["p25"] <= train["median"] <= train["p75"] <= train["p90"] <= train["max"]
+    assert (train["min"] <= train["p10"] <= train["p25"] <= train["median"] <= train["p75"] <= train["p90"]
+            <= train["max"])
     assert 1 <= summary["classes_per_client"]["min"] <= summary["classes_per_client"]["max"] <= 10
     iid = describe(digits(tmp_path, kind="iid", clients=20))
     assert iid["label_skew"] < 0.2 < summary["label_skew"] < 1

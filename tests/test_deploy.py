@@ -93,7 +93,8 @@ def test_compose_file_is_valid_and_takes_its_secrets_from_the_env_file(tmp_path)
     assert gpus == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     for name in ("scheduler", "worker"):
         env = services[name]["environment"]
-        assert env["FEDPILOT_DB"].startswith("postgresql+psycopg://fedpilot:") and env["FEDPILOT_DB"].endswith("@db:5432/fedpilot")
+        assert (env["FEDPILOT_DB"].startswith("postgresql+psycopg://fedpilot:")
+                and env["FEDPILOT_DB"].endswith("@db:5432/fedpilot"))
         assert env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000" and env["MLFLOW_TRACKING_USERNAME"] == "fedpilot"
     assert "change-me" not in (ROOT / "docker-compose.yml").read_text()  # secrets live in the env file only
     (tmp_path / "empty.env").write_text("")

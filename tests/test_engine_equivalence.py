@@ -48,8 +48,8 @@ def test_steps_budget_and_lr_schedule_match_sequential():
 
 def test_conv_model_matches_sequential():
     assert_matches_sequential("fedalt", ["body.0.weight", "body.0.bias"], local=LocalConfig(epochs=1, batch_size=4,
-                              lr=0.1), model=TinyCNN, data=ToyData(image=True), executions=(("vmap", 4), ("vmap_autograd", 3), ("loop", 4),
-                                                                        ("loop_channels_last", 4)))
+                              lr=0.1), model=TinyCNN, data=ToyData(image=True),
+                              executions=(("vmap", 4), ("vmap_autograd", 3), ("loop", 4), ("loop_channels_last", 4)))
 
 
 @pytest.mark.parametrize(("algo", "personal", "params"), [CASES[1], CASES[4], CASES[7]])

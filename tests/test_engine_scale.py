@@ -140,8 +140,8 @@ def test_auto_times_the_candidates_on_the_first_round_and_keeps_the_fastest(tmp_
 
     auto = make("auto")
     fit(auto)
-    assert set(auto.executor_choice.seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd", "loop",
-                                                                                          "bmm"}
+    assert set(auto.executor_choice.seconds) == set(executor_candidates(auto.model)) == {"vmap", "vmap_autograd",
+                                                                                          "loop", "bmm"}
     assert kept_by_the_rule(auto)
     pinned = make(auto.execution)
     fit(pinned)

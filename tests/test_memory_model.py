@@ -28,7 +28,8 @@ def test_emnist_resnet18_matches_table_10(personalization, table10_mb):
     full = personalization == "all"
     shared = split["personal_bytes_per_client"] if full else split["shared_bytes"]  # full: u and v both the model
     x = torch.randn(1, 1, 28, 28)
-    estimate = estimated_training_bytes(shared, split["personal_bytes_per_client"], backprop_bytes(model, lambda: model(x)))
+    estimate = estimated_training_bytes(shared, split["personal_bytes_per_client"],
+                                        backprop_bytes(model, lambda: model(x)))
     assert round(estimate / MB) == table10_mb
 
 

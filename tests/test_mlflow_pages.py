@@ -169,7 +169,8 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         assert {f"{s}/test_acc_p10" for s in STAGES} <= set(parent.data.metrics)
         assert parent.data.metrics["finetune/test_acc_p10"] == parent.data.metrics["final_test_acc_p10"]
     reused = load_run(client, run_ids[1]).stages[0]  # pretrain from the first run's cache entry
-    assert reused.cache == "hit" and len(reused.curves["train_loss"]) == 4  # its rounds' loss, from the run that trained it
+    # its rounds' loss, from the run that trained it
+    assert reused.cache == "hit" and len(reused.curves["train_loss"]) == 4
     browse = next(line for line in outputs[1][1].splitlines() if line.startswith("browse: "))
     assert browse.endswith(f"/#/experiments/{experiment}/runs/{run_ids[1]}?workflowType=machine_learning")
     both = workdir / "both.html"
@@ -228,7 +229,8 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
         assert stage.info.run_name == f"personalize · {names[1]}"
         assert "View as table" in table_page and table_page.index("name") < table_page.index("test_acc")
 
-        driver.get(local_artifact(client.tracking_uri, run_ids[1], REPORT_ARTIFACT).as_uri())  # the run's own, as a file
+        # the run's own, as a file
+        driver.get(local_artifact(client.tracking_uri, run_ids[1], REPORT_ARTIFACT).as_uri())
         assert plots_in(driver, 6) == 6
         full_page(driver, shots / "report.png")
 

@@ -45,7 +45,8 @@ FIRST_LAYER = {
     "resnet18": {"body.0.weight"},
     "char_lstm": {"body.embed.weight"},
 }
-# Pillutla et al. (ICML 2022) personalize the first / last transformer block of a large-vocabulary model, not embeddings / output layer
+# Pillutla et al. (ICML 2022) personalize the first / last transformer block of a large-vocabulary model, not
+# embeddings / output layer
 BLOCKS = {"transformer": (1, 2), "text_classifier": (1, 2)}
 
 
@@ -106,7 +107,8 @@ def test_transformer_is_causal():
     torch.testing.assert_close(model(changed)[:, :7], model(x)[:, :7])
 
 
-@pytest.mark.parametrize(("name", "preset"), [(n, p) for n in MODELS for p in PRESETS if n in ADAPTABLE or p != "adapters"])
+@pytest.mark.parametrize(("name", "preset"),
+                         [(n, p) for n in MODELS for p in PRESETS if n in ADAPTABLE or p != "adapters"])
 def test_presets_partition_parameters(name, preset):
     model = small(name)
     split = apply_split(model, preset)

@@ -71,7 +71,8 @@ def test_the_adaptation_of_novel_clients_is_the_fine_tuning_stage_run_on_them_al
     for split in ("val", "test"):
         for metric, values in alone.client_metrics[split].items():
             torch.testing.assert_close(stage.client_metrics[f"novel_{split}"][metric], values, equal_nan=True)
-    assert not torch.equal(stage.client_metrics["novel_test"]["loss"], stage.client_metrics["novel_global_test"]["loss"])
+    assert not torch.equal(stage.client_metrics["novel_test"]["loss"],
+                           stage.client_metrics["novel_global_test"]["loss"])
 
 
 def test_a_vectorized_executor_adapts_novel_clients_as_the_per_client_loop(trained):
@@ -151,8 +152,8 @@ def novel_run(tmp_path_factory):
         path = write_pipeline(folder, spec)
         code, output = cli("run", str(path), "--no-progress", "--no-cache")
     assert code == 0, output
-    return SimpleNamespace(spec=load_pipeline(path), output=output, runs=runs_of(MlflowClient(uri), run_id_of(output)), sampled=sampled,
-                           client=MlflowClient(uri), folder=folder)
+    return SimpleNamespace(spec=load_pipeline(path), output=output, runs=runs_of(MlflowClient(uri), run_id_of(output)),
+                           sampled=sampled, client=MlflowClient(uri), folder=folder)
 
 
 def table(run, client, folder: Path) -> dict[str, list]:

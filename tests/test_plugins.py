@@ -334,8 +334,8 @@ def test_validate_shows_the_plugins_params_and_only_its_models_own_options(lab, 
 
 
 def test_a_builder_function_is_a_model_like_the_builtins(lab, workdir):
-    spec = {**{k: v for k, v in PIPELINE.items() if k != "search"}, "model": {"name": "narrow", "width": 6, "act": "relu"},
-            "stages": PIPELINE["stages"][:1]}
+    spec = {**{k: v for k, v in PIPELINE.items() if k != "search"},
+            "model": {"name": "narrow", "width": 6, "act": "relu"}, "stages": PIPELINE["stages"][:1]}
     pipeline = str(write_pipeline(workdir, spec))
     code, output = cli("validate", pipeline, "--full")
     assert code == 0, output
@@ -388,7 +388,8 @@ def test_space_auto_searches_what_the_plugin_declares_and_refuses_a_plugin_decla
     before = sorted(p.name for p in workdir.iterdir())
     code, output = cli("search", str(write_pipeline(workdir, plain)), "--storage", f"sqlite:///{workdir}/s.db")
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert code == 2 and len(errors) == 1 and "stages.1.algorithm='plain': declares nothing tunable" in errors[0], output
+    assert (code == 2 and len(errors) == 1
+            and "stages.1.algorithm='plain': declares nothing tunable" in errors[0]), output
     assert "Traceback" not in output and not (workdir / "s.db").exists()
     assert sorted(p.name for p in workdir.iterdir()) == before
 
@@ -436,7 +437,8 @@ BAD_CASES = [  # (overrides, what the one error line says)
     ("stages.1.algorithm=mine", r"stages.1.algorithm='mine': the plugin `mine = clashing:Mine` .* of distribution "
                                 r"clashing-plugin 0.0.2 cannot be used: its distribution also registers `fedavg = "
                                 r"clashing:Mine`, the name of a built-in algorithm"),
-    ("stages.1.algorithm=twostep", r"'twostep': is registered by several plugins: .*bad-plugins 0.0.1; .*lab-fl 0.3.0: keep one"),
+    ("stages.1.algorithm=twostep", r"'twostep': is registered by several plugins: .*bad-plugins 0.0.1; .*lab-fl 0.3.0: "
+                                   r"keep one"),
     ("stages.1.algorithm=broken", r"'broken': the plugin `broken = bad_plugins.missing:Nope` .* of distribution "
                                   r"bad-plugins 0.0.1 cannot be loaded: ModuleNotFoundError"),
     ("stages.1.algorithm=notalgo", r"bad-plugins 0.0.1 is not a subclass of fedpilot.api.Algorithm"),

@@ -90,7 +90,8 @@ def test_space_auto_leaves_budgets_unless_asked_and_a_written_space_wins():
     space = PipelineSpec.from_dict(raw).search.space
     assert space["stages.1.params.l_max"].type == "int" and (space["stages.1.params.l_max"].low,
                                                            space["stages.1.params.l_max"].high) == (1, 40)
-    raw["search"] = {"space": {"stages.1.params.l_max": {"type": "int", "low": 2, "high": 8}}, "objective": "val_acc_mean"}
+    raw["search"] = {"space": {"stages.1.params.l_max": {"type": "int", "low": 2, "high": 8}},
+                     "objective": "val_acc_mean"}
     assert set(PipelineSpec.from_dict(raw).search.space) == {"stages.1.params.l_max"}
 
 

@@ -17,7 +17,9 @@ from pipeline_fixtures import cli, run_id_of
 ROOT = Path(__file__).resolve().parents[1]
 SET = ROOT / "pipelines" / "compare" / "shakespeare.yaml"
 LEAF = ROOT / "pipelines" / "shakespeare-leaf.yaml"
-VERSE = ["now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lour'd", "upon", "our", "house", "in", "the", "deep", "bosom", "of", "the", "ocean", "buried"]
+VERSE = ["now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun",
+         "of", "york", "and", "all", "the", "clouds", "that", "lour'd", "upon", "our", "house", "in", "the", "deep",
+         "bosom", "of", "the", "ocean", "buried"]
 FAST = ["tracking.system_metrics=false", "tracking.plots=false"]
 RUN = {"baselines", "fedalt-input", "fedalt-adapters", "pflego", "selffl"}  # each preset, PFLEGO, Self-FL
 # The set's runs on 6 roles of 2 plays: 2 pretraining rounds of one minibatch, one round of each method, a tiny

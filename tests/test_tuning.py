@@ -32,8 +32,8 @@ TINY = {**SMALL, "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stage
 
 def spec_with(search: dict) -> dict:
     raw = {k: v for k, v in SMALL.items() if k != "defaults"}
-    return {**raw, "dataset": {"source": {"kind": "digits"}, **SMALL["dataset"]}, "model": {"name": "mlp", "hidden": [32]},
-            "search": search}
+    return {**raw, "dataset": {"source": {"kind": "digits"}, **SMALL["dataset"]},
+            "model": {"name": "mlp", "hidden": [32]}, "search": search}
 
 
 @pytest.mark.parametrize(("search", "message"), [
@@ -252,7 +252,8 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path, new_mlflow_st
 
 
 def test_multi_objective_search_records_a_pareto_front_and_the_time_budget_stops_it(env):
-    search = {**SEARCH, "space": {"personalization": {"type": "categorical", "choices": ["output_layer", "input_layer"]}},
+    search = {**SEARCH,
+              "space": {"personalization": {"type": "categorical", "choices": ["output_layer", "input_layer"]}},
               "objective": [{"metric": "val_acc_weighted", "direction": "maximize"},
                             {"metric": "personal_bytes_per_client", "direction": "minimize"}],
               "sampler": {"kind": "nsga2", "seed": 0}}

@@ -62,7 +62,8 @@ def connect(url: str, key: str = "--db") -> Engine:
         _create_tables(database)
     except OperationalError as err:
         shown = database.url.render_as_string(hide_password=True)
-        raise StoreUnavailable(key, shown, f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
+        raise StoreUnavailable(key, shown,
+                               f"cannot open the database: {str(err.orig).strip().splitlines()[0]}") from None
     return database
 
 

@@ -97,8 +97,8 @@ class Registry(Mapping[str, Any]):
                 warnings.warn(f"the {describe(entry)} is ignored: {name!r} is a built-in {self.kind}", stacklevel=1)
             return self._load(self.builtins[name], lambda: self._builtin(name))
         if len(entries) > 1:
-            raise SpecError(key, name, f"is registered by several plugins: {'; '.join(sorted(map(describe, entries)))}: "
-                            "keep one")
+            raise SpecError(key, name, "is registered by several plugins: "
+                            f"{'; '.join(sorted(map(describe, entries)))}: keep one")
         entry = entries[0]
         clash = next((e for e in plugin_entries(self.group) if e.name in self.builtins and _same_dist(e, entry)), None)
         if clash is not None:

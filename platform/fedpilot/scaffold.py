@@ -1,5 +1,5 @@
-"""What `fedpilot new algorithm|model|source NAME` writes: a ready plugin package in a folder of its own: a pyproject with the
-entry point, the module (a working starting point written against fedpilot.api), a pipeline that uses it, and
+"""What `fedpilot new algorithm|model|source NAME` writes: a ready plugin package in a folder of its own: a pyproject
+with the entry point, the module (a working starting point written against fedpilot.api), a pipeline that uses it, and
 tests with fedpilot.testing's helpers. The templates are fedpilot/templates/**/*.tmpl (string.Template: `${...}`)."""
 
 from __future__ import annotations

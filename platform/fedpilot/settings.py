@@ -23,9 +23,9 @@ DEFAULT_CACHE = ".fedpilot-cache"
 SQL_INT_MAX = 2**31 - 1  # the platform database's INTEGER columns (job ids, trials) have 32 bits in PostgreSQL
 CONFIG_GROUPS = ("dataset", "model")  # the configs/ groups pipelines compose from
 # The tracking stores MLflow 3 opens (mlflow.tracking._tracking_service.utils._register_tracking_stores): a folder
-# ('' or file:), a database through SQLAlchemy (MLflow's DATABASE_ENGINES, with or without a driver: postgresql+psycopg),
-# a tracking server, Databricks (`databricks-uc` and `uc` are registered only to be refused); plugins add schemes as
-# entry points of TRACKING_PLUGINS.
+# ('' or file:), a database through SQLAlchemy (MLflow's DATABASE_ENGINES, with or without a driver:
+# postgresql+psycopg), a tracking server, Databricks (`databricks-uc` and `uc` are registered only to be refused);
+# plugins add schemes as entry points of TRACKING_PLUGINS.
 DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
 TRACKING_SCHEMES = ("", "file", *DATABASES, "http", "https", "databricks")
 TRACKING_PLUGINS = "mlflow.tracking_store"
@@ -245,7 +245,8 @@ def configs_dir() -> Path:
     if given:
         path = Path(given).resolve()
         if not path.is_dir():
-            raise SetupError("FEDPILOT_CONFIGS", given, "is a file, not a folder" if path.exists() else "no such folder")
+            raise SetupError("FEDPILOT_CONFIGS", given,
+                             "is a file, not a folder" if path.exists() else "no such folder")
         missing = [group for group in CONFIG_GROUPS if not (path / group).is_dir()]
         if missing:
             raise SetupError("FEDPILOT_CONFIGS", given, f"has no {', '.join(missing)} folder: a configs tree has a "

@@ -31,7 +31,8 @@ from fedpilot.models.split import ParamSplit
 
 HEAD = ["head.weight", "head.bias"]  # TinyMLP's output layer
 INPUT = ["body.1.weight", "body.1.bias"]  # TinyMLP's input layer
-EXECUTIONS = (("vmap", 7), ("vmap_autograd", 3), ("loop", 2), ("bmm", 5))  # (executor, clients per chunk) compared with sequential
+# (executor, clients per chunk) compared with sequential
+EXECUTIONS = (("vmap", 7), ("vmap_autograd", 3), ("loop", 2), ("bmm", 5))
 
 
 class ToyData(ClientData):
@@ -120,9 +121,9 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
               model: Callable[[], nn.Module] = TinyMLP, data: ClientData | None = None,
               precision: str = "32-true", per_call: int | None = None) -> tuple[Tensors, Tensors]:
     """(shared parameters, personal bank) after 4 rounds of 7 clients of ToyData (seed 3) with `execution` in chunks
-    of `chunk` clients (an executor that batches clients taking `per_call` of them a call), under `precision`. `algorithm`: an instance (copied: each run starts afresh), or a registered name built with
-    `params`; `personal`: the personal parameter names (None: all); `model`: a zero-argument factory of a fresh model
-    for `data`."""
+    of `chunk` clients (an executor that batches clients taking `per_call` of them a call), under `precision`.
+    `algorithm`: an instance (copied: each run starts afresh), or a registered name built with `params`; `personal`: the
+    personal parameter names (None: all); `model`: a zero-argument factory of a fresh model for `data`."""
     from fedpilot.algorithms import build_algorithm
 
     torch.manual_seed(0)

@@ -124,7 +124,8 @@ class Tracker:
                 found = self.client.get_experiment_by_name(experiment)
             except MlflowException as err:  # the first request: a server that refuses these credentials, say
                 problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise StoreUnavailable(tracking_key(uri), hidden(uri), f"cannot open the tracking store: {problem}") from None
+                raise StoreUnavailable(tracking_key(uri), hidden(uri),
+                                       f"cannot open the tracking store: {problem}") from None
             kind, value = EXPERIMENT_KIND
             if found is None:
                 self.experiment_id = self.client.create_experiment(experiment, tags={kind: value})
@@ -215,8 +216,8 @@ class Tracker:
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=self.system_sampling_seconds, samples_before_logging=1, tracking_uri=self.uri,
-                                       resume_logging=run_id in self._logged)
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=self.system_sampling_seconds, samples_before_logging=1,
+                                       tracking_uri=self.uri, resume_logging=run_id in self._logged)
         monitor.start()
         try:
             yield

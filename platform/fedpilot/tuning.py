@@ -171,8 +171,9 @@ class Search:
         if spec.search is None:
             raise SearchError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
         if spec.devices > 1 or spec.nodes > 1:
-            raise SearchError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes), "a search trains its trials in this process: set devices: 1 "
-                            "(start more workers for trials in parallel)")
+            raise SearchError("devices" if spec.devices > 1 else "nodes", max(spec.devices, spec.nodes),
+                              "a search trains its trials in this process: set devices: 1 "
+                              "(start more workers for trials in parallel)")
         self.spec, self.search, self.cache_dir, self.echo, self.scope = spec, spec.search, cache_dir, echo, scope
         self.trials = trials or self.search.trials
         self.study_name = study or self.search.study
@@ -183,7 +184,8 @@ class Search:
                                  engine_kwargs=engine_options(storage_url),
                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=make_sampler(spec),
-                                             pruner=make_pruner(spec, self.trials), directions=directions, load_if_exists=True)
+                                             pruner=make_pruner(spec, self.trials), directions=directions,
+                                             load_if_exists=True)
             self.lease = NamedLease(storage_url, self.study_name)
         if [d.name.lower() for d in self.study.directions] != directions:
             raise SearchError("search.objective", directions, f"study {self.study_name!r} exists with directions "
@@ -257,7 +259,8 @@ class Search:
             raise optuna.TrialPruned(str(err)) from None
         self.echo(f"trial {trial.number}: {_short(values)} -> "
                   + ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True))
-                  + f" ({time.perf_counter() - start:.1f} s)" + (f" over seeds {list(seeds)}" if len(seeds) > 1 else ""))
+                  + f" ({time.perf_counter() - start:.1f} s)"
+                  + (f" over seeds {list(seeds)}" if len(seeds) > 1 else ""))
         return float(objectives[0]) if len(objectives) == 1 else [float(v) for v in objectives]
 
     def _trained(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> list[float]:
@@ -301,7 +304,8 @@ class Search:
         client = self.tracker.client
         nested = {MLFLOW_PARENT_RUN_ID: self.scope.parent} if self.scope.parent else {}
         run = client.create_run(self.tracker.experiment_id, run_name=f"search-{self.study_name}",
-                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name, **nested})
+                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name,
+                                      **nested})
         space = {f"space.{k}": json.dumps(v.model_dump(exclude_none=True)) for k, v in self.search.space.items()}
         objective = {f"objective.{i}": f"{o.direction} {o.metric} of stage {o.stage}"
                      for i, o in enumerate(self.search.objective)}

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 
 class DittoParams(AlgorithmParams):
-    """lam: lambda of the pull to the global model (Pillutla et al., ICML 2022 tuned 0.1 for EMNIST); personal_steps / lr_v: the
-    personal solver's budget and step (null = the stage's local budget / local.lr)."""
+    """lam: lambda of the pull to the global model (Pillutla et al., ICML 2022 tuned 0.1 for EMNIST);
+    personal_steps / lr_v: the personal solver's budget and step (null = the stage's local budget / local.lr)."""
 
     lam: float = Field(0.1, ge=0)
     personal_steps: int | None = Field(None, ge=1)

@@ -1,4 +1,5 @@
-"""FedAlt: Pillutla et al., ICML 2022 (partial model personalization), Algorithm 1 with LocalAlt (Algorithm 2 / Algorithm 4)."""
+"""FedAlt: Pillutla et al., ICML 2022 (partial model personalization), Algorithm 1 with LocalAlt
+(Algorithm 2 / Algorithm 4)."""
 
 from __future__ import annotations
 

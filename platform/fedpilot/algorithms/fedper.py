@@ -3,8 +3,8 @@ Nikoloutsopoulos et al. 2022).
 
 The model is split into base layers, shared and averaged by the server as in FedAvg, and personalization
 layers (the last ones), kept by each client. Every local SGD step updates both at the same point on the same
-minibatch, which is exactly FedSim's update order (Pillutla et al., ICML 2022, LocalSim), so FedPer is FedSim under its own
-name; the split is the pipeline's `personalization` (FedPer's is the head: `output_layer`).
+minibatch, which is exactly FedSim's update order (Pillutla et al., ICML 2022, LocalSim), so FedPer is FedSim under its
+own name; the split is the pipeline's `personalization` (FedPer's is the head: `output_layer`).
 
 Choices: the personal and shared learning rates default to the stage's local.lr (FedPer uses one client lr);
 the server averages the base layers weighted by N_i (FedAvg's rule, as in the FedPer paper).

@@ -3,8 +3,8 @@ Nikoloutsopoulos et al. 2022).
 
 Algorithm 1 of Collins et al.: each sampled client first trains its head for many local epochs with the
 representation (body) frozen, then the body for a few epochs with its new head frozen, keeps the head and
-sends the body; the server averages the bodies. This is FedAlt's update order (Pillutla et al., ICML 2022, LocalAlt) with
-epoch budgets instead of step counts, so it is its own short module rather than a FedAlt parameterisation.
+sends the body; the server averages the bodies. This is FedAlt's update order (Pillutla et al., ICML 2022, LocalAlt)
+with epoch budgets instead of step counts, so it is its own short module rather than a FedAlt parameterisation.
 
 Choices: head_epochs = 10 and body_epochs = 1 as in the FedRep experiments (the stage's local epochs/steps are
 not used; batch size and lr are the stage's); the server averages the bodies weighted by N_i (the FedRep

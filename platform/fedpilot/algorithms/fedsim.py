@@ -1,4 +1,5 @@
-"""FedSim: Pillutla et al., ICML 2022 (partial model personalization), Algorithm 1 with LocalSim (Algorithm 3 / Algorithm 5)."""
+"""FedSim: Pillutla et al., ICML 2022 (partial model personalization), Algorithm 1 with LocalSim
+(Algorithm 3 / Algorithm 5)."""
 
 from __future__ import annotations
 

@@ -48,10 +48,10 @@ Choices the paper leaves open (each one tested in tests/test_algo_ffgg.py):
   permutation of the round's uploads, cut into ceil(M / bucket_size) buckets, averaged per bucket; then a
   coordinate-wise rule over the bucket means: `median`, `trimmed_mean` (drop floor(trim * buckets) on each
   side; it must be at least bucket_size * byzantine_fraction, the share of buckets a Byzantine client can reach)
-  or `mean` (the plain mean of the uploads: no defence, for ablations). Against Definition 2: Karimireddy et al. (Thm. I) show that
-  bucketing with s <= delta_max / delta turns the coordinate-wise median into a (delta_max, c)-agnostic robust
-  aggregator (delta_max < 1/4, c = O(d)); it is agnostic since nothing in it depends on sigma. The
-  coordinate-wise median alone is not (the paper, after Definition 2). The defaults, delta = 0.1 and s = 2,
+  or `mean` (the plain mean of the uploads: no defence, for ablations). Against Definition 2: Karimireddy et al.
+  (Thm. I) show that bucketing with s <= delta_max / delta turns the coordinate-wise median into a
+  (delta_max, c)-agnostic robust aggregator (delta_max < 1/4, c = O(d)); it is agnostic since nothing in it depends on
+  sigma. The coordinate-wise median alone is not (the paper, after Definition 2). The defaults, delta = 0.1 and s = 2,
   satisfy s * delta < 1/4. The rule is unweighted (Algorithm 5), so clients cannot inflate their weight.
 """
 
@@ -133,7 +133,8 @@ class Stateless(Algorithm):
 
 
 class Ffgg(Stateless):
-    """Algorithm 1: fine-tune w on theta_r (Algorithm 2), send grad_theta f_m(theta_r, w); uniform mean on the server."""
+    """Algorithm 1: fine-tune w on theta_r (Algorithm 2), send grad_theta f_m(theta_r, w); uniform mean on the
+    server."""
 
     name = "ffgg"
     Params = FfggParams

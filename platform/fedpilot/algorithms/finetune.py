@@ -1,4 +1,5 @@
-"""Local fine-tuning (step (c) of Pillutla et al.'s pipeline, ICML 2022), Ditto-as-fine-tuning, and Local-only training."""
+"""Local fine-tuning (step (c) of Pillutla et al.'s pipeline, ICML 2022), Ditto-as-fine-tuning, and Local-only
+training."""
 
 from __future__ import annotations
 

@@ -164,8 +164,8 @@ class HeteroFL(Algorithm):
         owners = [m for m in model.modules() if _owns(m)]
         if not owners or not all(_scalable(m) for m in owners):
             kinds = sorted({type(m).__name__ for m in owners})
-            raise SpecError("model", type(model).__name__, f"HeteroFL width-scales models made of Linear and dense Conv2d "
-                            f"layers with biases (mlp, logreg, cnn); this one has {kinds}")
+            raise SpecError("model", type(model).__name__, f"HeteroFL width-scales models made of Linear and "
+                            f"dense Conv2d layers with biases (mlp, logreg, cnn); this one has {kinds}")
         layers = _layers(model, _calls(model, input_shape))
         model.width = WidthMask(layers).to(next(model.parameters()).device)
 

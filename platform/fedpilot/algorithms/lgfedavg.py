@@ -3,8 +3,8 @@ Representations", 2020 (a baseline of pFedGate, Chen et al., ICML 2023).
 
 Each client keeps its own local representation (the lower layers: the model's `body`) and shares the global
 layers on top (the `head`); every local SGD step updates both at the same point, the clients send only the global
-layers and the server averages them. It is FedSim's update order (Pillutla et al., ICML 2022) with the opposite split of FedPer:
-the personal part is the body, so each round uploads the head alone (LG-FedAvg's communication saving).
+layers and the server averages them. It is FedSim's update order (Pillutla et al., ICML 2022) with the opposite split of
+FedPer: the personal part is the body, so each round uploads the head alone (LG-FedAvg's communication saving).
 
 Choices: the split is the whole body local and the head global (the paper's experiments keep the last layers
 global; with the zoo's `body -> head` models that is the head); the server averages by sample count (FedAvg).

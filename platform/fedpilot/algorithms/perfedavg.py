@@ -11,10 +11,10 @@ F(w) = mean_i f_i(w - alpha grad f_i(w)). Each sampled client takes tau local me
 and sends w; the server takes the mean of the clients' models.
 
 Choices: the first-order version (Per-FedAvg (FO): the Hessian term of the meta-gradient is dropped, as Self-FL
-(Chen et al., NeurIPS 2022) does for its audio experiments); beta is the stage's local.lr (times its schedule); the server mean is uniform
-over the sampled clients (Algorithm 1). A client's personal model is one step of local SGD from the final global
-model: a `finetune` stage with `params: {part: all}` and `local: {steps: 1, lr: alpha}` after this one gives it
-(the paper's evaluation); this stage's own evaluation is of the global model.
+(Chen et al., NeurIPS 2022) does for its audio experiments); beta is the stage's local.lr (times its schedule); the
+server mean is uniform over the sampled clients (Algorithm 1). A client's personal model is one step of local SGD from
+the final global model: a `finetune` stage with `params: {part: all}` and `local: {steps: 1, lr: alpha}` after this one
+gives it (the paper's evaluation); this stage's own evaluation is of the global model.
 """
 
 from __future__ import annotations

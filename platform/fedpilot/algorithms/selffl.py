@@ -1,4 +1,5 @@
-"""Self-FL: self-aware personalized FL (Chen et al., NeurIPS 2022), Algorithm 1 (`selffl`) and Algorithm 2 (`selffl_aug`).
+"""Self-FL: self-aware personalized FL (Chen et al., NeurIPS 2022), Algorithm 1 (`selffl`) and Algorithm 2
+(`selffl_aug`).
 
 Two-level Gaussian model: theta_m ~ N(theta_0, s0) across clients, client m's local optimum z_m ~ N(theta_m,
 s_m). With precisions w_k = (s0 + s_k)^-1, P = sum_k w_k and W_-m = P - w_m (the other clients'), the FL
@@ -199,7 +200,8 @@ class PrecisionMean(Aggregator):
             optima = {n: torch.cat([u.optimum[n] for u in self.uploads]) for n in info.broadcast}
             return {"sigma0_sq": trace_variance(optima)} if len(next(iter(optima.values()))) >= 2 else {}
         origin = state.get("origin") or {n: v.detach().clone() for n, v in info.broadcast.items()}
-        total = dict(state.get("offset_sum") or {n: torch.zeros_like(v, dtype=torch.float64) for n, v in origin.items()})
+        total = dict(state.get("offset_sum")
+                     or {n: torch.zeros_like(v, dtype=torch.float64) for n, v in origin.items()})
         squares = float(state.get("offset_sq", 0.0))
         for u in self.uploads:
             for n, start in origin.items():

@@ -63,7 +63,8 @@ def ui(
         typer.echo(f"the tracking store is a server: open {uri} in a browser")
         return
     typer.echo(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl+C stops it)\nMLflow 3 opens experiments in "
-               "its GenAI view: switch to \"Model training\" at the top left once, or open the pages fedpilot run prints")
+               "its GenAI view: switch to \"Model training\" at the top left once, or open the pages "
+               "fedpilot run prints")
     # MLflow's GenAI job execution (LLM judges, prompt optimization) is unused here and would start seven more
     # processes that each import MLflow; docker-compose.yml turns it off too
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")

@@ -60,7 +60,8 @@ def validate(
             prepared = checked(lambda: prepare(spec, root))
     except UserError as err:
         fail(err)
-    typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full else summary(spec, prepared and prepared.data.n_clients))
+    typer.echo(OmegaConf.to_yaml(applicable(spec)).rstrip() if full
+               else summary(spec, prepared and prepared.data.n_clients))
     count = f"{len(spec.stages)} stage{'s' if len(spec.stages) != 1 else ''}"
     typer.secho(f"ok: {pipeline} is a valid pipeline ({count}: "
                 f"{' -> '.join(s.name for s in spec.stages)})", fg=typer.colors.GREEN, err=True)

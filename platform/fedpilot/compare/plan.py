@@ -240,8 +240,8 @@ def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipelin
         own = written.search.space if written.search is not None and not written.search.auto else None
         stages = list(range(shared, len(written.stages)))
         if own is None and not stages:
-            raise SpecError(f"pipelines.{i}", comparison.pipelines[i], f"every stage of {name} is shared with the other "
-                            "pipelines: nothing of it to tune")
+            raise SpecError(f"pipelines.{i}", comparison.pipelines[i], f"every stage of {name} is shared with the "
+                            "other pipelines: nothing of it to tune")
         search = {"space": {k: p.model_dump(exclude_none=True) for k, p in own.items()} if own else "auto",
                   **({} if own else {"stages": stages, "tune_budget": tune.tune_budget}),
                   "objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": tune.trials,

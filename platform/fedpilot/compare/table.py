@@ -85,7 +85,8 @@ def counts_rows(counts: dict[str, dict[str, int]]) -> Rows:
 def format_counts(counts: dict[str, dict[str, int]], baseline: str, seeds: int, metric: str = "acc") -> str:
     """Per pipeline, its clients (by name, seen on every seed) better than the baseline on every seed, worse on
     every seed, and neither."""
-    head = f"clients whose test {metric_label(metric)} is better / worse than with {baseline} on each of {seeds} seed(s)"
+    head = (f"clients whose test {metric_label(metric)} is better / worse than with {baseline} on each of "
+            f"{seeds} seed(s)")
     return "\n".join([head, *text(counts_rows(counts))])
 
 

@@ -67,7 +67,8 @@ class FederatedData:
     y: targets (int64 class ids, float32 regression targets); None for next_token.
     num_classes: the model's outputs: classes, the vocabulary size (next_token) or regression targets.
     mean / std: per-channel normalization of image inputs (the `normalize` augmentation); specials / vocab_size:
-    the token ids of pad, unk, bos, eos and the vocabulary's size (text); augment: the training-batch augmentations (plain dicts); folder: the cache entry.
+    the token ids of pad, unk, bos, eos and the vocabulary's size (text); augment: the training-batch augmentations
+    (plain dicts); folder: the cache entry.
     """
 
     x: np.ndarray
@@ -107,7 +108,8 @@ def fingerprint(spec: DatasetSpec, seed: int) -> str:
     data package's code (an edited partitioner or source builds anew), a plugin source's code and a tokenizer
     file's contents."""
     tokenizer = spec.text.tokenizer if spec.text else None
-    saved = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer and os.path.isfile(tokenizer) else None
+    saved = (hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer and os.path.isfile(tokenizer)
+             else None)
     blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION,
                        "code": _data_code(), "source_code": _plugin_code(spec.source), "tokenizer": saved},
                       sort_keys=True, separators=(",", ":"))

@@ -24,7 +24,8 @@ class Backend(ABC):
     columns: ClassVar[tuple[str, ...]] = ()  # what `fedpilot jobs` shows of its jobs beyond the queue's columns
 
     @abstractmethod
-    def submit(self, database: Engine, db_url: str, fields: dict[str, Any], parallel: int) -> list[tuple[int, str | None]]:
+    def submit(self, database: Engine, db_url: str, fields: dict[str, Any],
+               parallel: int) -> list[tuple[int, str | None]]:
         """Store `parallel` rows of a validated job (jobs.queue.job_fields) and start them; (row id, the backend's own
         job id or None) of each. Nothing stays stored when the backend refuses the job."""
 
@@ -50,7 +51,8 @@ class QueueBackend(Backend):
 
     name = QUEUE
 
-    def submit(self, database: Engine, db_url: str, fields: dict[str, Any], parallel: int) -> list[tuple[int, str | None]]:
+    def submit(self, database: Engine, db_url: str, fields: dict[str, Any],
+               parallel: int) -> list[tuple[int, str | None]]:
         return [(queue.submit(database, fields), None) for _ in range(parallel)]
 
     def start(self, database: Engine, db_url: str, ids: list[int]) -> None:
@@ -73,7 +75,8 @@ class SlurmBackend(Backend):
     def __init__(self, options: SlurmSpec | None = None):
         self.options = options or SlurmSpec()
 
-    def submit(self, database: Engine, db_url: str, fields: dict[str, Any], parallel: int) -> list[tuple[int, str | None]]:
+    def submit(self, database: Engine, db_url: str, fields: dict[str, Any],
+               parallel: int) -> list[tuple[int, str | None]]:
         return list(slurm.enqueue(database, slurm.absolute_db(db_url), fields, self.options, parallel))
 
     def start(self, database: Engine, db_url: str, ids: list[int]) -> None:

@@ -204,7 +204,8 @@ def recover(database: Engine, grace_seconds: float) -> None:
             if job.cancel_requested:
                 job.status, job.finished_at, job.error = CANCELLED, utcnow(), lost
             elif job.attempts >= MAX_ATTEMPTS:
-                job.status, job.finished_at, job.error = FAILED, utcnow(), f"{lost}; gave up after {MAX_ATTEMPTS} attempts"
+                job.status, job.finished_at, job.error = (FAILED, utcnow(),
+                                                          f"{lost}; gave up after {MAX_ATTEMPTS} attempts")
             else:
                 job.status, job.worker, job.heartbeat_at = QUEUED, None, None
     for uri, run_id in orphans:
@@ -320,8 +321,8 @@ def execute(database: Engine, job: Job, worker: str, db_url: str, heartbeat_seco
             tracking_uri=uri, stdout_tail=stdout[-TAIL_CHARS:], stderr_tail=stderr[-TAIL_CHARS:], error=error))
         session.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.number == job.attempts,
                                                  JobAttempt.worker == worker).values(
-            status=STOPPED if status == QUEUED else status, finished_at=utcnow(), exit_code=proc.returncode, error=error,
-            run_id=result.get("run_id") or job.run_id))
+            status=STOPPED if status == QUEUED else status, finished_at=utcnow(), exit_code=proc.returncode,
+            error=error, run_id=result.get("run_id") or job.run_id))
     return status
 
 
@@ -384,7 +385,8 @@ def plugin_versions(spec: dict[str, Any]) -> dict[str, str]:
     """{distribution: version} of the installed plugins registering a name a resolved spec uses (its stages'
     algorithms, its model, its dataset source); a spec without one of them (the job's child refuses it) has none."""
     named = {"fedpilot.algorithms": [_at(stage, "algorithm") for stage in _at(spec, "stages") or []],
-             "fedpilot.models": [_at(spec, "model", "name")], "fedpilot.sources": [_at(spec, "dataset", "source", "kind")]}
+             "fedpilot.models": [_at(spec, "model", "name")],
+             "fedpilot.sources": [_at(spec, "dataset", "source", "kind")]}
     return {dist: version for group, names in named.items()
             for dist, version in plugin_distributions(group, [n for n in names if isinstance(n, str)]).items()}
 

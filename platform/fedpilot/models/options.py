@@ -2,14 +2,14 @@
 as a schema, what inputs each model reads, and the personalization presets.
 
 A built-in model's schema (`SCHEMAS`) is where its options are declared, once: names, types, defaults; its builder
-in fedpilot.models.zoo takes them from there (`builder_signature`, `checked`). The schema refuses every option its builder would refuse and every one that would only fail once training starts:
-unknown options, types, ranges (sizes of at least 1, an LSTM of at least one layer) and constraints between options
-(`d_model` divisible by `n_heads`); its `fits` checks it against the built dataset (token ids or features, images of
-rank 3 and at least 4x4 pixels for the CNN, a `context` as long as the sequences, a `vocab_size` that holds the data's
-vocabulary). So a built-in model whose options pass builds without error, and `fedpilot validate` does not build it
-(nor import torch). A plugin model's builder (a Net subclass or a function returning a Net, `model_problem`) has no
-schema: its options are its keyword parameters typed by their annotations; its builder is code, so a pipeline naming
-it is checked by building it.
+in fedpilot.models.zoo takes them from there (`builder_signature`, `checked`). The schema refuses every option its
+builder would refuse and every one that would only fail once training starts: unknown options, types, ranges (sizes of
+at least 1, an LSTM of at least one layer) and constraints between options (`d_model` divisible by `n_heads`); its
+`fits` checks it against the built dataset (token ids or features, images of rank 3 and at least 4x4 pixels for the CNN,
+a `context` as long as the sequences, a `vocab_size` that holds the data's vocabulary). So a built-in model whose
+options pass builds without error, and `fedpilot validate` does not build it (nor import torch). A plugin model's
+builder (a Net subclass or a function returning a Net, `model_problem`) has no schema: its options are its keyword
+parameters typed by their annotations; its builder is code, so a pipeline naming it is checked by building it.
 """
 
 from __future__ import annotations

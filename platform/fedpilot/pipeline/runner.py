@@ -75,7 +75,8 @@ class PipelineRunner:
         with staging():  # every input check, before any run is created; the model's memory is one of them
             prepared = prepare(spec, self.root)
             self.data, self.tensors, self.task = prepared.data, prepared.tensors, prepared.task
-            self.participants, self.novel, self.novel_tensors = prepared.participants, prepared.novel, prepared.novel_tensors
+            self.participants, self.novel, self.novel_tensors = (prepared.participants, prepared.novel,
+                                                                 prepared.novel_tensors)
             self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)

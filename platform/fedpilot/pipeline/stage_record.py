@@ -138,7 +138,8 @@ def with_novel_rows(stage: FederatedStage, clients: dict[str, list[Any]], novel:
     theirs: dict[str, list[Any]] = {"client": novel, "name": [names[c] for c in novel]}
     theirs.update({f"{s}_samples": data.sizes[s].tolist() for s in ("train", *SPLITS)})
     theirs.update({f"{s}_{m}": scores[f"{NOVEL}_{s}"][m].tolist() for s in SPLITS for m in task.metrics})
-    theirs.update({f"{GLOBAL}_{s}_{m}": scores[f"{NOVEL_GLOBAL}_{s}"][m].tolist() for s in SPLITS for m in task.metrics})
+    theirs.update({f"{GLOBAL}_{s}_{m}": scores[f"{NOVEL_GLOBAL}_{s}"][m].tolist()
+                   for s in SPLITS for m in task.metrics})
     if before is not None and f"{NOVEL}_test" in before.client_metrics:
         theirs[f"previous_test_{task.primary}"] = before.client_metrics[f"{NOVEL}_test"][task.primary].tolist()
     n, m = len(clients["client"]), len(novel)

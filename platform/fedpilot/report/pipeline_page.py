@@ -56,7 +56,8 @@ def summary_table(runs: list[PipelineRun]) -> pd.DataFrame:
             extra = beyond_cells(stage.metrics, metric)
             beyond += [k for k in extra if k not in beyond]
             rows.append({"run": run.label, "stage": stage.name, "cache": stage.cache,
-                         **stage_cells(stage.metrics, metric), **extra, "peak memory": human_bytes(peak) if peak else ""})
+                         **stage_cells(stage.metrics, metric), **extra,
+                         "peak memory": human_bytes(peak) if peak else ""})
     columns = ["run", "stage", "cache", *TABLE_STATS, "better", "worse", *beyond, "peak memory"]
     frame = pd.DataFrame(rows, columns=columns).fillna("")
     return frame.drop(columns="run") if len(runs) == 1 else frame

@@ -78,7 +78,8 @@ def _own_model_options(composed: dict[str, Any], user: dict[str, Any], overrides
     group it composed (`model: {name: transformer}` over `defaults: [{model: mlp}]`), the group's options (mlp's
     `hidden`) are dropped and only the options the user gave stay."""
     model = composed.get("model")
-    chosen = (OverridesParser.create().parse_override(o) for o in overrides if o.split("=", 1)[0].lstrip("+") == "model")
+    chosen = (OverridesParser.create().parse_override(o) for o in overrides
+              if o.split("=", 1)[0].lstrip("+") == "model")
     choice = next((override.value() for override in chosen), None)  # parsed: `model='mlp'` chooses mlp
     choice = choice or next((d["model"] for d in user.get("defaults", []) if isinstance(d, dict) and "model" in d),
                             None)

@@ -174,7 +174,8 @@ class PipelineSpec(Strict):
     name: str
     seed: Seed = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    devices: int = Field(1, ge=1)  # > 1: Lightning DDP, each round's cohort split across that many GPUs (or CPU processes)
+    # > 1: Lightning DDP, each round's cohort split across that many GPUs (or CPU processes)
+    devices: int = Field(1, ge=1)
     nodes: int = Field(1, ge=1)  # > 1: that many Slurm nodes with `devices` processes each (fedpilot submit --to slurm)
     dataset: DatasetSpec
     model: ModelSpec

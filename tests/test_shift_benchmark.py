@@ -95,10 +95,10 @@ def test_the_reduced_set_runs_every_method_on_one_pretraining_under_the_matched_
     """The set at one seed, one round a stage and two clients: every pipeline runs on the CNN from the same FedAvg
     pretraining (a cache hit after the first), each method stage's sampled clients take GRADIENTS minibatch
     gradients (counted through the engine from the round's batch plans), and the fine-tuning is the baseline's."""
-    plan = load_plan(SET, seeds=1, overrides=REDUCED)
-    prepare_plan(plan, workdir / "cache")
-    runs = {name: by_seed[0] for name, by_seed in plan.specs.items()}
-    baseline = runs[plan.baseline]
+    comparison = load_plan(SET, seeds=1, overrides=REDUCED)
+    prepare_plan(comparison, workdir / "cache")
+    runs = {name: by_seed[0] for name, by_seed in comparison.specs.items()}
+    baseline = runs[comparison.baseline]
     assert baseline.stages[-1].algorithm == "finetune" and len(runs) == 16
     assert all(spec.model.name == "cnn" and spec.stages[0] == baseline.stages[0] for spec in runs.values())
     assert all(s.local == baseline.stages[-1].local for spec in runs.values() for s in spec.stages[2:])
@@ -118,7 +118,7 @@ def test_the_reduced_set_runs_every_method_on_one_pretraining_under_the_matched_
         works.clear()
 
     monkeypatch.setattr(RoundWork, "plan", recorded)
-    result = run_comparison(plan, f"sqlite:///{workdir}/fedpilot.db", workdir / "cache", echo=finished)
+    result = run_comparison(comparison, f"sqlite:///{workdir}/fedpilot.db", workdir / "cache", echo=finished)
     assert set(result.scores) == set(runs)
     assert all(0 <= s[0]["test_acc_mean"] <= 1 for s in result.scores.values())
     # shift-fedavg's method stage is the baseline's second stage: the stage cache gives it, untrained

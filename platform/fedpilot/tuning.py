@@ -334,6 +334,7 @@ class Search:
             self._log_plots()
 
     def _log_plots(self) -> None:
+        from matplotlib import pyplot as plt
         from optuna.visualization import matplotlib as ov
 
         names = [o.metric for o in self.search.objective]
@@ -351,6 +352,7 @@ class Search:
             figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
             figure.set_size_inches(8, 5)
             self.tracker.client.log_figure(self.run_id, figure, f"plots/{name}.png")
+            plt.close(figure)  # pyplot keeps every figure it made: a comparison's many studies would pile them up
 
     def _log_report(self, top: int = 5) -> None:
         """The search run's `report.html`: its best finished trials side by side (the Pareto front's when several

@@ -121,9 +121,10 @@ class FederatedStage(L.LightningModule):
                                         MappingProxyType(dict(self.shown)), self.execution)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The stage's records, server state and executor choice, and the banks' chains of changes (save_changes_in)."""
-        checkpoint["fedpilot"] = {"history": self.history, "comm_bytes": self.comm_bytes,
-                                  "server_state": self.server_state, **self.executor_choice.state_dict()}
+        """The stage's records (the clients' metrics once evaluated), server state and executor choice, and the banks'
+        chains of changes (save_changes_in)."""
+        records = {"history": self.history, "comm_bytes": self.comm_bytes, "server_state": self.server_state}
+        checkpoint["fedpilot"] = {**records, "client_metrics": self.client_metrics, **self.executor_choice.state_dict()}
         if self.changes_folder is not None:
             save_changes({"bank": self.bank, "state_bank": self.state_bank}, self.changes_folder, self.global_step,
                          self.trainer.is_global_zero, checkpoint["state_dict"])
@@ -139,6 +140,7 @@ class FederatedStage(L.LightningModule):
         saved = checkpoint.get("fedpilot", {})
         self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
         self.server_state = dict(saved.get("server_state", self.server_state))
+        self.client_metrics = dict(saved.get("client_metrics", {}))  # a stop after the last round runs none again
         self.executor_choice.load_state_dict(saved)  # a resumed stage goes on with the executor it chose
 
     def sample_cohort(self, round_idx: int) -> torch.Tensor:

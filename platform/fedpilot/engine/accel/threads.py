@@ -11,6 +11,11 @@ import torch
 from torch import nn
 
 
+def client_threads(device: torch.device) -> int:
+    """How many clients `for_each_client` runs at once on `device`: one per intra-op thread on the CPU, else one."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
 def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], clients: int,
                     device: torch.device) -> None:
     """run(k, module) for k in range(clients); on CPU one client per intra-op thread, each client single-threaded.
@@ -18,10 +23,12 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
     A client's step at batch 10 is too small to split over cores, and OpenMP's barriers wait on descheduled
     threads when the machine is shared (bench/README.md has the measurements).
     Each client is computed by one thread alone, so the results are the same for any number of threads.
-    Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place)
-    and the caller's grad mode and autocast state (both thread-local).
+    Each worker thread gets its own copy of `module` (functional_call swaps a module's parameters in place), its
+    buffers included, sharing the parameters' memory (every caller passes the parameters to functional_call: the
+    copy's own are never read, so copying them would only cost a model's bytes per thread and call), and the
+    caller's grad mode and autocast state (both thread-local).
     """
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    threads = client_threads(device)
     if threads == 1:
         for k in range(clients):
             run(k, module)
@@ -32,7 +39,7 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
 
     def job(k: int) -> None:
         if not hasattr(mine, "module"):
-            mine.module = copy.deepcopy(module)
+            mine.module = copy.deepcopy(module, {id(p): p for p in module.parameters()})
         with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=cast[1], enabled=cast[0]):
             run(k, mine.module)
 

@@ -29,7 +29,7 @@ Bytes = Annotated[int, BeforeValidator(_byte_count)]
 AUTO = "auto"  # `execution: auto`: the stage times the candidates on its first round (engine/accel/choice.py)
 # The executors a stage may run, by their `execution:` names, in the order a stage times them (engine/accel maps
 # each to its class): the one list of them.
-EXECUTORS = ("vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first", "bmm", "vmap_compiled")
+EXECUTORS = ("vmap", "vmap_autograd", "loop", "loop_channels_last", "loop_batched_first", "bmm")
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from fedpilot.engine.accel.bmm import BmmExecutor
 from fedpilot.engine.accel.loop import BatchedFirstStepExecutor, ChannelsLastLoopExecutor, LoopExecutor
-from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapCompiledExecutor, VmapExecutor
+from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapExecutor
 from fedpilot.engine.config import AUTO
 from fedpilot.engine.config import EXECUTORS as NAMES
 from fedpilot.engine.executor import Executor
@@ -17,7 +17,7 @@ from fedpilot.engine.sequential import SequentialExecutor
 # every executor by its `execution:` name (`sequential`, the tests' reference, is no `execution:` value)
 EXECUTORS: dict[str, type[Executor]] = {e.name: e for e in (
     VmapExecutor, VmapAutogradExecutor, LoopExecutor, ChannelsLastLoopExecutor, BatchedFirstStepExecutor,
-    BmmExecutor, VmapCompiledExecutor, SequentialExecutor)}
+    BmmExecutor, SequentialExecutor)}
 CANDIDATES: tuple[type[Executor], ...] = tuple(EXECUTORS[name] for name in NAMES)  # engine.config's names
 
 

@@ -120,23 +120,6 @@ class VmapAutogradExecutor(VmapExecutor):
         return clients_grad(module, self.forward, self.task)
 
 
-class VmapCompiledExecutor(VmapExecutor):
-    """`vmap`'s gradient step captured once per model (torch.compile, mode "reduce-overhead": on a GPU a CUDA graph
-    replays the step's kernels in one launch): for rounds whose steps are too small to keep the device busy between
-    launches. A candidate the stage times, its compilation inside its warm-up."""
-
-    name = "vmap_compiled"
-
-    def __init__(self, forward: Forward, task: Task, clients_per_call: int | None = None):
-        super().__init__(forward, task, clients_per_call)
-        self.compiled: dict[int, Callable] = {}
-
-    def step_grad(self, module: nn.Module) -> Callable[..., tuple[Tensors, tuple]]:
-        if id(module) not in self.compiled:
-            self.compiled[id(module)] = torch.compile(super().step_grad(module), mode="reduce-overhead")
-        return self.compiled[id(module)]
-
-
 def client_rows(params: Tensors, rows: slice) -> Tensors:
     """The clients of `rows` of per-client parameters [K, ...] (views)."""
     return {n: p[rows] for n, p in params.items()}

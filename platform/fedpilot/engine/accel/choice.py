@@ -160,13 +160,14 @@ class _Runs:
         """The clients a chunk of the rounds takes under candidate `name` (None: the whole chunk, where the aggregate
         needs every upload at once). A reducible aggregate takes each chunk's uploads as it finishes and frees them,
         so a chunk need hold no more clients than the executor works on at once (a call's, or a thread each); it
-        takes more while their values add under MATERIAL_MEMORY to the memory in use as the timing starts (fewer
-        chunks, each starting and ending its threads, at no material memory)."""
+        takes as many more such groups as keep their values under MATERIAL_MEMORY of the memory in use as the timing
+        starts (fewer chunks, each starting and ending its threads, at no material memory; whole groups, so that no
+        thread waits out a chunk's odd client alone)."""
         if not self.choice.folds:
             return None
         clients = self.trial.clients
         at_once = self.choice.build(name, False, self.device)[0].clients_at_once(clients, self.device)
-        return min(clients, max(at_once, self.lean_chunk))
+        return min(clients, max(1, self.lean_chunk // at_once) * at_once)
 
     def run(self, name: str, steps: int = TRIAL_STEPS, clients: int | None = None, per_call: int | None = None) -> None:
         """The trial by candidate `name`, batching `per_call` clients a call (by default as measured); the first

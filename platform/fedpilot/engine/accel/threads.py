@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from torch import nn
@@ -43,6 +45,14 @@ def for_each_client(module: nn.Module, run: Callable[[int, nn.Module], None], cl
         with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=cast[1], enabled=cast[0]):
             run(k, mine.module)
 
-    with ThreadPoolExecutor(min(threads, clients), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        for done in [pool.submit(job, k) for k in range(clients)]:
-            done.result()
+    jobs = [_pool(threads, os.getpid()).submit(job, k) for k in range(clients)]
+    wait(jobs)  # all of them, also after one failed: none is left running on the next call's rows
+    for done in jobs:
+        done.result()
+
+
+@functools.cache
+def _pool(threads: int, pid: int) -> ThreadPoolExecutor:
+    """The process's `threads` single-threaded workers, started once: a round's chunks each start no threads of their
+    own (`pid`: a forked child starts its own, its parent's threads are not in it)."""
+    return ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,))

@@ -193,12 +193,12 @@ class FederatedStage(L.LightningModule):
         info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
         start = {n: v.to(self.device) for n, v in self.personal_init.items()}
         aggregate, mine = self.algorithm.aggregator(), process_rows(len(clients))
-        loss = metric = steps = 0.0
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # read once a round: no wait on a chunk's work
         for cohort in self.cohorts(work, clients, start, mine, chunk or self.executor_choice.clients_per_chunk):
             self.train_chunk(cohort, aggregate, info)
-            loss += float(cohort.stats.loss.sum())
-            metric += float(cohort.stats.metric.sum())
-            steps += float(cohort.stats.steps.sum())
+            stats = cohort.stats
+            sums += torch.stack([stats.loss.sum(), stats.metric.sum(), stats.steps.sum()]).double()
+        loss, metric, steps = sums.tolist()
         if distributed():
             banks = [self.bank, self.state_bank] if self.algorithm.stateful else [self.state_bank]
             loss, metric, steps = share_round(clients, mine, aggregate, info, banks, [loss, metric, steps], self.device)

@@ -3,8 +3,9 @@
 Each contender runs the workload of bench/workload.py in its own process (the peers in their own virtual
 environments, set up by bench/peers/setup.sh on first use) and reports its seconds per round; this driver
 samples the memory of each contender's process tree (PSS, worker processes included), measures the
-machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot and the
-fraction of the GEMM rate each contender achieves on the workload's FLOPs. The contenders run --repeats times,
+machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot, to the round's bound
+(bench/contenders/bound.py: one model trained over the round's samples in the largest batch that fits, the same
+FLOPs) and the fraction of the GEMM rate each contender achieves on the workload's FLOPs. The contenders run --repeats times,
 taking turns (fedpilot, the plain loops, the peers, then again), so a change in the machine's load falls on all of
 them: the table gives the median over the repeats and the range of each contender's ratio to fedpilot's time in the
 same turn. Then fedpilot's scaling (bench/engine_throughput.py), its cost against the federation and cohort sizes
@@ -48,6 +49,8 @@ CONTENDERS = {
                     ["--model-per-client", "reuse"]),
     "plain-fresh": ("plain PyTorch loop, new model per client", sys.executable, "plain_torch.py",
                     ["--model-per-client", "fresh"]),
+    "bound": ("bound: one model, the round's samples in the largest batch", sys.executable, "bound.py", []),
+    "bound-bf16": ("bound, bf16-mixed", sys.executable, "bound.py", ["--precision", "bf16-mixed"]),
     "pfl": ("pfl-research", str(VENVS / "pfl/bin/python"), "pfl_sim.py", []),
     "flower": ("Flower simulation (Ray)", str(VENVS / "flower/bin/python"), "flower_sim.py", []),
 }
@@ -117,26 +120,36 @@ def ratio_range(row: dict, base: dict | None) -> str:
     return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
 
+def bound_of(row: dict, rows: list[dict]) -> dict | None:
+    """The bound row a contender is measured against: the bf16-mixed bound for bf16-mixed contenders, else the fp32
+    one (None where it did not run)."""
+    key = "bound-bf16" if row["key"].endswith("-bf16") else "bound"
+    return next((r for r in rows if r["key"] == key and "median_s" in r), None)
+
+
 def print_table(model: str, work, rows: list[dict], flops: float, gemm: float, gemm16: float) -> None:
     base = next((r for r in rows if r["key"] == "fedpilot" and "median_s" in r), None)
     print(f"\n### {model}: {work.describe()}\n")
     print(f"FLOPs per round (forward + backward): {flops / 1e9:.2f} GFLOP; limit at the measured fp32 GEMM rate: "
           f"{flops / gemm / 1e9:.3f} s\n")
-    print("| contender | s/round (median) | peak memory | x fedpilot's time (turns) | GFLOP/s | of fp32 GEMM | "
-          "of bf16 GEMM |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| contender | s/round (median) | peak memory | x fedpilot's time (turns) | x bound | GFLOP/s | "
+          "of fp32 GEMM | of bf16 GEMM |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         name = r["label"] + (f" {r['version']}" if "version" in r else "") + (
             f" [{r['executor']}]" if "executor" in r else "")
         if "error" in r:
-            print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | | |")
+            print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | | | |")
             continue
         s = r["median_s"]
         gpu = f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB" if "gpu_util_mean" in r else ""
         if "device_peak_bytes" in r:
             gpu += f", torch peak {r['device_peak_bytes'] / 2**30:.2f} GiB"
         ratio = "-" if base is None else "1.00x" if r is base else f"{s / base['median_s']:.2f}x ({ratio_range(r, base)})"
-        print(f"| {name} | {s:.4f} | {r['peak_memory_bytes'] / 2**30:.2f} GiB{gpu} | {ratio} | "
+        bound = bound_of(r, rows)
+        name += f" [batch {r['batch']}, {r['layout']}]" if "batch" in r else ""
+        to_bound = "-" if bound is None else f"{s / bound['median_s']:.2f}x"
+        print(f"| {name} | {s:.4f} | {r['peak_memory_bytes'] / 2**30:.2f} GiB{gpu} | {ratio} | {to_bound} | "
               f"{flops / s / 1e9:.3g} | {100 * flops / s / 1e9 / gemm:.3g}% | {100 * flops / s / 1e9 / gemm16:.3g}% |")
 
 
@@ -174,8 +187,9 @@ def main() -> None:
     gemm32, n32 = gemm_gflops(torch.float32, args.device, args.gemm_seconds)
     gemm16, n16 = gemm_gflops(torch.bfloat16, args.device, args.gemm_seconds)
     peers = [] if args.no_peers else ensure_peers(args.peers)
-    keys = ["fedpilot", *(["fedpilot-bf16"] if bf16_supported(args.device) else []), "fedpilot-sequential",
-            "plain-reuse", "plain-fresh", *peers]
+    bf16 = bf16_supported(args.device)
+    keys = ["fedpilot", *(["fedpilot-bf16"] if bf16 else []), "fedpilot-sequential", "plain-reuse", "plain-fresh",
+            *peers, "bound", *(["bound-bf16"] if bf16 else [])]
     if args.contenders:
         keys = [k for k in keys if k in args.contenders]
     print(f"## fedpilot vs peers ({time.strftime('%Y-%m-%d %H:%M')})\n")

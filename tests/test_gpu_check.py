@@ -38,3 +38,24 @@ def test_check_script_writes_every_part_on_the_cpu(tmp_path):
     scale = json.loads((out / "scale.json").read_text())
     assert scale["by_size"]["200"]["median_s"] > 0 and "eval_s" in scale["by_size"]["200"]
     assert "| clients | s/round (median) |" in (out / "scale.log").read_text()
+
+
+def test_without_wheels_it_takes_the_checkouts_venv_and_says_why_a_part_failed(tmp_path):
+    """No --wheels and no $PYTHON: the checkout's .venv (where `make install` put one), else python3 on PATH; a part
+    that fails shows the end of its output on screen, not only its exit code (here CUDA parts on a machine without
+    one: the device facts' traceback, bench/scale.py's refusal of the device)."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where the CUDA parts fail")
+    venv = ROOT / ".venv" / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    done = subprocess.run(["bash", str(ROOT / "bench/gpu/check.sh"), str(tmp_path / "out"), "--device", "cuda",
+                           "--quick", "--parts", "scale"], env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 1, done.stdout + done.stderr
+    if venv.exists():
+        assert f"using the packages of {venv}" in done.stdout
+    assert "device facts: FAILED (exit code 1)" in done.stdout and "Error" in done.stdout
+    assert "scale: FAILED (exit code 2)" in done.stdout and "CUDA device" in done.stdout
+    assert f"(all of it: {tmp_path / 'out' / 'scale.log'})" in done.stdout

@@ -5,8 +5,9 @@ that fails or runs out of time is recorded and the next one runs. Writes at most
     device.txt    nvidia-smi (on CUDA), torch's view of the device, the measured bf16 and fp32 matmul rates
     tests.log     the engine's equivalence and resume tests on the device (FEDPILOT_TEST_DEVICE)
     runs.log      pipelines/quickstart.yaml and shakespeare-next-token.yaml, reduced, into a file MLflow store
-    compare.log, compare.json   the CNN round at 1000 clients under torch.profiler (bench/gpu/profile_round.py), then
-                                bench/compare.py --no-peers (CNN and MLP, fp32 and bf16-mixed)
+    compare.log, compare.json   the CNN round at 1000 clients under torch.profiler (bench/gpu/profile_round.py), and
+                                its bound, then bench/compare.py --no-peers (CNN and MLP, fp32 and bf16-mixed, fedpilot,
+                                the plain loop and the round's bound)
     scale.log, scale.json       bench/scale.py
 
     python bench/gpu/check.py OUTDIR [--device cuda|cpu] [--quick] [--plays PATH] [--minutes 8]
@@ -36,6 +37,7 @@ TESTS = ["tests/test_engine_equivalence.py", "tests/test_engine_stage.py::test_r
          "tests/test_memory_model.py::test_a_stage_records_the_estimate_next_to_its_peak",
          "tests/test_novel_clients.py::test_the_novel_distributions_of_a_trained_stage"]
 PARTS = ("tests", "pipelines", "profile", "compare", "scale")
+REASON_LINES = 15  # of a failed part's output, printed on screen
 QUICK_TESTS = ["tests/test_engine_equivalence.py::test_bf16_mixed_executors_match_sequential_under_bf16",
                "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters", "-k", "not bmm"]
 SHORT = {"quickstart": ["stages.0.rounds=10", "stages.1.rounds=5"],
@@ -81,15 +83,17 @@ class Parts:
         self.records: list[dict] = []
 
     def run(self, name: str, commands: list[list[str]], log: str, limit: float) -> bool:
-        """Run `commands` one after the other into OUTDIR/`log` (appending), within `limit` seconds and the deadline."""
-        start = time.monotonic()
-        passed, why = True, ""
-        with open(self.out / log, "a") as sink:
+        """Run `commands` one after the other into OUTDIR/`log` (appending), within `limit` seconds and the deadline;
+        a failed part's last lines of output are printed under its line, so that the reason is on screen."""
+        start, path = time.monotonic(), self.out / log
+        passed, why, failed = True, "", None  # failed: where the first failed command's output is in the log
+        with open(path, "a") as sink:
             for command in commands:
                 left = min(limit - (time.monotonic() - start), self.deadline - time.monotonic() - 5)
                 if left < 5:
                     passed, why = False, "out of time before it started"
                     break
+                began = sink.tell()
                 sink.write(f"$ {' '.join(command)}\n")
                 sink.flush()
                 try:
@@ -101,10 +105,17 @@ class Parts:
                 sink.flush()
                 if code != 0:
                     passed, why = False, why or f"exit code {code}"
+                    failed = failed or (began, sink.tell())
         record = {"part": name, "passed": passed, "seconds": round(time.monotonic() - start, 1), "log": log,
                   **({"why": why} if why else {})}
         self.records.append(record)
         print(f"{name}: {'passed' if passed else 'FAILED (' + why + ')'} in {record['seconds']} s", flush=True)
+        if failed:
+            with open(path, "rb") as written:
+                written.seek(failed[0])
+                text = written.read(failed[1] - failed[0]).decode(errors="replace")
+            print("\n".join(f"    {line}" for line in text.splitlines()[-REASON_LINES:]) + f"\n    (all of it: {path})",
+                  flush=True)
         return passed
 
 
@@ -139,11 +150,12 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
     out = parts.out
     if args.quick:
         compare = ["--models", "mlp", "--clients", "20", "--clients-per-round", "5", "--rounds", "2", "--warmup", "1",
-                   "--repeats", "1", "--contenders", "fedpilot", "--gemm-seconds", "0.2"]
+                   "--repeats", "1", "--contenders", "fedpilot", "bound", "--gemm-seconds", "0.2"]
         scale = ["--sizes", "200", "--cohorts", "--eval-sizes", "200", "--rounds", "3", "--warmup", "1"]
     else:
         compare = ["--models", "cnn", "mlp", "--clients-per-round", "50", "1000", "--rounds", "4", "--warmup", "1",
-                   "--repeats", "1", "--contenders", "fedpilot", "fedpilot-bf16", "plain-reuse", "--timeout", "120"]
+                   "--repeats", "1", "--contenders", "fedpilot", "fedpilot-bf16", "plain-reuse", "bound", "bound-bf16",
+                   "--timeout", "120"]
         scale = ["--sizes", "1000", "1000000", "--cohorts", "50", "1000", "--federation", "10000",
                  "--eval-sizes", "1000000", "--rounds", "12", "--warmup", "2", "--timeout", "120"]
     if "profile" in args.parts:  # where the round's time goes: host work, kernels

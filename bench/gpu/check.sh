@@ -4,7 +4,8 @@
 #
 # With --wheels DIR (made by bench/gpu/wheels.sh), its wheels are installed without network into a temporary folder
 # put on PYTHONPATH after this checkout's platform/ (the code under check), over the node's own Python (torch,
-# lightning, ...); without it, the running Python's packages are used as they are (the test suite's run). Then,
+# lightning, ...); without it, the packages of the checkout's .venv are used as they are (`make install`'s), or where
+# there is none those of python3 on PATH. $PYTHON, when set, names the interpreter in either case. Then,
 # within 8 minutes of wall time, bench/gpu/check.py writes at most 8 files to OUTDIR: the engine's equivalence and
 # resume tests on the device, the quickstart and Shakespeare pipelines (reduced) into a file MLflow store, a round
 # under torch.profiler, bench/compare.py and bench/scale.py with their JSON, the device's facts, and summary.json
@@ -13,7 +14,6 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PY=${PYTHON:-python3}
 OUT=""
 DEVICE=cuda
 WHEELS=""
@@ -34,6 +34,17 @@ done
 [[ $DEVICE == cuda || $DEVICE == cpu ]] || { echo "check.sh: --device $DEVICE: expected cuda or cpu" >&2; exit 2; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+if [[ -n ${PYTHON:-} ]]; then
+  PY=$PYTHON
+elif [[ -z $WHEELS && -x $ROOT/.venv/bin/python ]]; then
+  PY=$ROOT/.venv/bin/python
+else
+  PY=python3
+fi
+if ! "$PY" -c 'import torch'; then
+  echo "check.sh: $PY cannot import torch (above): run \`make install\`, give --wheels DIR, or set \$PYTHON" >&2
+  exit 1
+fi
 
 PLAYS=()
 if [[ -n $WHEELS ]]; then

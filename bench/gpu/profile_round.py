@@ -2,20 +2,24 @@
 warm-up rounds, as `fedpilot run` runs it (a FederatedStage under a Lightning Trainer).
 
 Prints the round's wall time, the time the device was busy with kernels (on a GPU: how much of the round is host
-work the GPU waits for), the kernels launched, and the operators taking the most host and device time.
+work the GPU waits for), the kernels launched, the operators taking the most host and device time, and the round
+against its bound (bench/contenders/bound.py: one model trained over the round's samples in the largest batch that
+fits, the same FLOPs).
 
     python bench/gpu/profile_round.py [--device cuda] [--model cnn] [--clients-per-round 1000] [--warmup 2]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (fedpilot first: see below)
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import get_args
 
+import fedpilot  # noqa: F401  first, as in `fedpilot run`: its OpenMP wait policy is set before torch loads
 import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,8 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH), str(BENCH / "contenders")]
 from arguments import COUNT, WARMUP, device_name  # noqa: E402
+from bound import bound_times  # noqa: E402
 from fedpilot_engine import quiet_trainer, stage_for  # noqa: E402
-from workload import WORKLOADS, write_data  # noqa: E402
+from workload import WORKLOADS, flops_per_round, write_data  # noqa: E402
 
 from fedpilot.engine.accel import AUTO, EXECUTORS  # noqa: E402
 from fedpilot.engine.config import StageConfig  # noqa: E402
@@ -91,6 +96,17 @@ def main() -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if device.type == "cuda":
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
+    print_bound(work, probe.seconds, args)
+
+
+def print_bound(work, seconds: float, args: argparse.Namespace) -> None:
+    """The round's bound under the same precision (the median of as many rounds as were profiled and warmed up) and
+    how far the profiled round is from it."""
+    times, batch, layout = bound_times(work, args.warmup + 1, args.device, args.precision)
+    bound, flops = statistics.median(times), flops_per_round(work)
+    print(f"bound: {bound:.4f} s a round ({work.clients_per_round * work.samples * work.epochs} samples in batches of "
+          f"{batch}, {layout}; {flops / bound / 1e12:.3f} TFLOP/s); the profiled round {seconds:.4f} s "
+          f"({flops / seconds / 1e12:.3f} TFLOP/s): {seconds / bound:.2f}x its bound")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,21 @@ class WeightedMean(ReducibleAggregator):
     """
 
     def __init__(self) -> None:
-        self.total: Tensors = {}
+        self.sums: Tensors = {}
         self.weight: Tensors = {}
         self.upload_bytes = 0
+        self.broadcast_weight: Tensors = {}  # per name: the summed weight of deltas whose broadcast term is yet to add
+        self.broadcast: Tensors = {}
+
+    @property
+    def total(self) -> Tensors:
+        """The weighted sums by name: of gradients, or of deltas, sum_k w_k (broadcast - shared_k). A chunk of deltas
+        adds -sum_k w_k shared_k alone; the broadcast's share of every chunk is added here at once, when the sums are
+        read (one pass over the parameters a round, not one a chunk)."""
+        for name, weight in self.broadcast_weight.items():
+            self.sums[name].addcmul_(self.broadcast[name], weight)
+        self.broadcast_weight.clear()
+        return self.sums
 
     def add(self, upload: Upload, info: RoundInfo) -> None:
         import torch
@@ -33,19 +45,26 @@ class WeightedMean(ReducibleAggregator):
         from fedpilot.engine.executor import per_client
 
         values = upload.grad if upload.grad is not None else upload.shared
+        deltas = upload.grad is None  # sum_k w_k (broadcast - shared_k)
         for name, value in values.items():
             w = upload.weight.to(value.dtype)
             mask = upload.mask.get(name) if upload.mask is not None else None
             if mask is None:
-                total, w_sum = torch.tensordot(w, value, dims=1), w.sum()  # no [K, ...] temporaries
+                w_sum = w.sum()
                 self.upload_bytes += value.numel() * value.element_size()
+                if name not in self.sums:
+                    self.sums[name] = torch.zeros_like(value[0])
+                # into the running sum in one pass over the chunk's rows: no [K, ...] or parameter-sized temporaries
+                self.sums[name].view(-1).addmv_(value.reshape(len(w), -1).T, w, alpha=-1 if deltas else 1)
+                if deltas:
+                    self.broadcast_weight[name] = self.broadcast_weight.get(name, 0) + w_sum
+                    self.broadcast[name] = info.broadcast[name]
             else:
                 w = per_client(w, value) * mask.to(value.dtype)
                 total, w_sum = (w * value).sum(0), w.sum(0)
                 self.upload_bytes += int(mask.sum()) * value.element_size()
-            if upload.grad is None:  # deltas: sum_k w_k (broadcast - shared_k)
-                total = w_sum * info.broadcast[name] - total
-            self.total[name] = self.total.get(name, 0) + total
+                total = w_sum * info.broadcast[name] - total if deltas else total
+                self.sums[name] = self.sums.get(name, 0) + total
             self.weight[name] = self.weight.get(name, 0) + w_sum
 
     def result(self, info: RoundInfo, state: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:

@@ -36,6 +36,8 @@ class ClientBank(nn.Module):
     # ---- reading and writing --------------------------------------------------------------------------------------
     def get(self, clients: torch.Tensor) -> Tensors:
         """The rows of `clients` [K, ...] on the clients tensor's device (written rows, else the initial value)."""
+        if not self.names:
+            return {}
         ids = clients.tolist()
         slots = torch.tensor([self.slot.get(c, -1) for c in ids], dtype=torch.long)
         written = slots >= 0

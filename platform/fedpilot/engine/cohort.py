@@ -334,8 +334,8 @@ class Cohort:
 @dataclass
 class Trial:
     """The local work of the first chunk of a round's cohort (`chunk`), on copies of its clients' bank rows (what it
-    computes is thrown away): `trial(executors, steps, clients)` runs the chunk's first `clients` (None: all),
-    `steps` steps a phase (engine.accel.choice.Trial)."""
+    computes is thrown away): `trial(executors, steps, clients, per_chunk)` runs the chunk's first `clients` (None:
+    all), `per_chunk` at a time as the rounds would (None: at once), `steps` steps a phase (engine.accel.choice.Trial)."""
 
     algorithm: Algorithm
     work: RoundWork
@@ -349,10 +349,20 @@ class Trial:
     def clients(self) -> int:
         return len(self.chunk)
 
-    def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None) -> None:
-        rows = slice(0, clients)
+    @property
+    def client_bytes(self) -> int:
+        """What a chunk holds of each of its clients: its shared parameters (trained, uploaded), its personal values
+        and its state."""
+        rows = [*self.shared.values(), *self.start.values(), *(v[0] for v in self.state.values())]
+        return sum(v.numel() * v.element_size() for v in rows)
+
+    def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None,
+                 per_chunk: int | None = None) -> None:
         work = replace(self.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
-        cohort = Cohort(work, self.chunk[rows], rows, self.chunk, self.shared,
-                        {n: v[rows].clone() for n, v in self.personal.items()}, self.start,
-                        {n: v[rows].clone() for n, v in self.state.items()})
-        self.algorithm.local_update(cohort)
+        count = self.clients if clients is None else clients
+        for lo in range(0, count, per_chunk or count):
+            rows = slice(lo, min(lo + (per_chunk or count), count))
+            cohort = Cohort(work, self.chunk[rows], rows, self.chunk, self.shared,
+                            {n: v[rows].clone() for n, v in self.personal.items()}, self.start,
+                            {n: v[rows].clone() for n, v in self.state.items()})
+            self.algorithm.local_update(cohort)

@@ -174,6 +174,11 @@ class Executor(ABC):
     def __init__(self, forward: Forward, task: Task, clients_per_call: int | None = None):
         self.forward, self.task, self.clients_per_call = forward, task, clients_per_call
 
+    def clients_at_once(self, clients: int, device: torch.device) -> int:
+        """How many of a chunk's `clients` it works on at once on `device`: a call's (at most `clients_per_call`)
+        where it batches clients, else one."""
+        return min(clients, self.clients_per_call or clients) if self.groups_clients else 1
+
     def groups(self, clients: int) -> list[slice]:
         """The rows of `clients` in groups of at most `clients_per_call`, each batched in one call."""
         size = self.clients_per_call or clients

@@ -99,14 +99,13 @@ class MemoryRise:
     def __enter__(self) -> MemoryRise:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.start = int(torch.cuda.memory_allocated(self.device))
         elif process_status("VmRSS") is not None:
             release_freed_memory()
             try:
                 Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             except OSError:
                 return self
-            self.start = process_status("VmRSS")
+        self.start = memory_in_use(self.device, release=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -115,6 +114,16 @@ class MemoryRise:
         peak = (int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda"
                 else process_status("VmHWM"))
         self.rise = None if peak is None else max(peak - self.start, 0)
+
+
+def memory_in_use(device: torch.device, release: bool = True) -> int:
+    """The memory in use (bytes): torch's allocation on a GPU, else the process's resident set, after the C
+    allocator's free memory is handed back (`release`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if release:
+        release_freed_memory()
+    return psutil.Process().memory_info().rss
 
 
 def process_status(field: str) -> int | None:

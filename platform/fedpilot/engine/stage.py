@@ -27,7 +27,7 @@ from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds
 from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import cohort_spread
 from fedpilot.engine.novel import NovelClients, beyond_participants
-from fedpilot.engine.protocol import Algorithm, RoundInfo
+from fedpilot.engine.protocol import Aggregator, Algorithm, RoundInfo
 from fedpilot.engine.task import CLASSIFICATION, Task
 from fedpilot.models.split import ParamSplit
 
@@ -186,27 +186,23 @@ class FederatedStage(L.LightningModule):
                       self.state_bank.get(chunk))
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
-        """Local work of the whole cohort (in chunks), aggregation, one server optimizer step. Under DDP every
-        process trains its slice of the cohort (`process_rows`), then all-reduces the aggregate, its bank rows and
-        the training stats (engine.ddp): every process takes the same server step."""
+        """Local work of the whole cohort in chunks (of `chunk` clients; by default as the executor choice says),
+        each chunk's upload added to the aggregate and dropped before the next chunk trains; then one server
+        optimizer step. Under DDP every process trains its slice of the cohort (`process_rows`), then all-reduces
+        the aggregate, its bank rows and the training stats (engine.ddp): every process takes the same server step."""
         clients = self.sample_cohort(round_idx).to(self.device)
         work, shared = self.round_work(round_idx, clients), self.shared_params()
         info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
         start = {n: v.to(self.device) for n, v in self.personal_init.items()}
-        stateful, aggregate, mine = self.algorithm.stateful, self.algorithm.aggregator(), process_rows(len(clients))
-        loss = metric = steps = 0.0
-        for cohort in self.cohorts(work, clients, start, mine, chunk):
-            upload = self.algorithm.local_update(cohort)
-            if stateful:
-                self.bank.put(cohort.clients, cohort.own)
-            self.state_bank.put(cohort.clients, cohort.state)
-            if upload.shared is not None or upload.grad is not None:
-                aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight), info)
-            loss += float(cohort.stats.loss.sum())
-            metric += float(cohort.stats.metric.sum())
-            steps += float(cohort.stats.steps.sum())
+        aggregate, mine = self.algorithm.aggregator(), process_rows(len(clients))
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # read once a round: no wait on a chunk's work
+        for cohort in self.cohorts(work, clients, start, mine, chunk or self.executor_choice.clients_per_chunk):
+            self.train_chunk(cohort, aggregate, info)
+            stats = cohort.stats
+            sums += torch.stack([stats.loss.sum(), stats.metric.sum(), stats.steps.sum()]).double()
+        loss, metric, steps = sums.tolist()
         if distributed():
-            banks = [self.bank, self.state_bank] if stateful else [self.state_bank]
+            banks = [self.bank, self.state_bank] if self.algorithm.stateful else [self.state_bank]
             loss, metric, steps = share_round(clients, mine, aggregate, info, banks, [loss, metric, steps], self.device)
         pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
         train_loss = loss / max(steps, 1.0)
@@ -216,6 +212,16 @@ class FederatedStage(L.LightningModule):
                 "clients": float(len(clients)), "bytes_up": float(aggregate.upload_bytes),
                 "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values())),
                 **cohort_spread(self.state_bank, clients)}
+
+    def train_chunk(self, cohort: Cohort, aggregate: Aggregator, info: RoundInfo) -> None:
+        """One chunk's local work: its bank rows written back, its upload added to the aggregate (and, returning,
+        let go of: a reducible aggregate holds sums, not the chunk's [K, ...] values)."""
+        upload = self.algorithm.local_update(cohort)
+        if self.algorithm.stateful:
+            self.bank.put(cohort.clients, cohort.own)
+        self.state_bank.put(cohort.clients, cohort.state)
+        if upload.shared is not None or upload.grad is not None:
+            aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight), info)
 
     def server_step(self, pseudo_grad: Tensors) -> None:
         """The aggregate becomes the gradient of the shared parameters; the server optimizer steps."""

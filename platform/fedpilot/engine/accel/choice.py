@@ -1,6 +1,7 @@
 """Which executor a stage runs: the one `execution:` names, or under `auto` the candidate the stage's first round times
-fastest (or leanest where the fastest is not believably faster). The choice keeps its own record, logged with the
-stage, and its own checkpoint state, so that a resumed stage goes on with the executor it chose (same numbers)."""
+fastest (or leanest where the fastest is not believably faster), and how many clients a chunk of its rounds takes.
+The choice keeps its own record, logged with the stage, and its own checkpoint state, so that a resumed stage goes on
+with the executor and chunks it chose (same numbers)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpilot.engine.accel.executors import AUTO, choose, executor_candidates
-from fedpilot.engine.accel.timing import TRIAL_STEPS, Timed, best_time, clients_per_call, fastest
+from fedpilot.engine.accel.timing import (
+    MATERIAL_MEMORY,
+    TRIAL_STEPS,
+    Timed,
+    best_time,
+    clients_per_call,
+    fastest,
+)
 from fedpilot.engine.ddp import distributed
 from fedpilot.engine.executor import Executor, Forward, plain_forward
-from fedpilot.engine.memory import release_freed_memory
-from fedpilot.engine.protocol import Algorithm
+from fedpilot.engine.memory import memory_in_use, release_freed_memory
+from fedpilot.engine.protocol import Algorithm, ReducibleAggregator
 from fedpilot.engine.task import Task
 
 Executors = tuple[Executor, Executor | None]  # the executor of a stage's local work, and of its head-only work
@@ -26,17 +34,21 @@ Executors = tuple[Executor, Executor | None]  # the executor of a stage's local 
 
 class Trial(Protocol):
     """The local work of a round's first chunk of clients, on copies of their rows (what it computes is thrown away):
-    `trial(executors, steps, clients)` runs the first `clients` of the chunk (None: all), `steps` steps a phase."""
+    `trial(executors, steps, clients, per_chunk)` runs the first `clients` of the chunk (None: all), `per_chunk` at a
+    time (None: at once), `steps` steps a phase."""
 
     clients: int  # the chunk's
+    client_bytes: int  # what a chunk holds of each of its clients: shared and personal values, state
 
-    def __call__(self, executors: Executors, steps: int, clients: int | None = None) -> None: ...
+    def __call__(self, executors: Executors, steps: int, clients: int | None = None,
+                 per_chunk: int | None = None) -> None: ...
 
 
 class ExecutorChoice:
     """The executor of a stage's local work and evaluation (`name`), applying the model with the `algorithm`'s
     `forward`, and under `auto`, once timed, what each candidate measured: `seconds` and `peak_bytes` on the first
-    round's first chunk, `clients_per_call` of those that batch clients, and `timing_s`, what the timing took."""
+    round's first chunk, `clients_per_call` of those that batch clients, and `timing_s`, what the timing took; and
+    `clients_per_chunk`, the clients a chunk of the rounds takes (None: the stage's `max_parallel_clients`)."""
 
     def __init__(self, requested: str, model: nn.Module, algorithm: Algorithm, task: Task):
         self.requested, self.model, self.task = requested, model, task
@@ -45,6 +57,8 @@ class ExecutorChoice:
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}
         self.clients_per_call: dict[str, int] = {}
+        self.clients_per_chunk: int | None = None
+        self.folds = isinstance(algorithm.aggregator(), ReducibleAggregator)  # sums: each chunk folded in, freed
         self.timing_s: float | None = None
         self._built: dict[tuple, Executors] = {}
 
@@ -55,7 +69,7 @@ class ExecutorChoice:
 
     def pin(self, name: str, per_call: int | None = None) -> None:
         """Run executor `name` (also `sequential`, the tests' reference), batching `per_call` clients a call."""
-        self.name, self.clients_per_call = name, {name: per_call} if per_call else {}
+        self.name, self.clients_per_call, self.clients_per_chunk = name, {name: per_call} if per_call else {}, None
 
     def executors(self, device: torch.device) -> Executors:
         """The chosen executors on `device`: a timed choice was timed on whole-model work, so head-only work keeps
@@ -90,10 +104,10 @@ class ExecutorChoice:
             runs = _Runs(self, trial(), device)
             timed = self._measured(candidates, runs)
         release_freed_memory(device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
-        chosen = [(timed, self.clients_per_call)]
+        chosen = [(timed, self.clients_per_call, runs.per_chunk(timed.choice))]
         if distributed():
             dist.broadcast_object_list(chosen, src=0)
-        (self.name, self.seconds, self.peak_bytes), self.clients_per_call = chosen[0]
+        (self.name, self.seconds, self.peak_bytes), self.clients_per_call, self.clients_per_chunk = chosen[0]
         self.timing_s = time.perf_counter() - began
 
     def _measured(self, candidates: list[str], runs: _Runs) -> Timed:
@@ -118,28 +132,48 @@ class ExecutorChoice:
 
     def state_dict(self) -> dict[str, Any]:
         return {"execution": self.name, "executor_seconds": self.seconds, "executor_peak_bytes": self.peak_bytes,
-                "clients_per_call": self.clients_per_call, "executor_timing_s": self.timing_s}
+                "clients_per_call": self.clients_per_call, "clients_per_chunk": self.clients_per_chunk,
+                "executor_timing_s": self.timing_s}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Under `auto`, the choice a checkpoint saved (a resumed stage goes on with it); a pinned one stays."""
+        """Under `auto`, the choice a checkpoint saved (a resumed stage goes on with it; one saved before chunks were
+        chosen, with whole chunks); a pinned one stays."""
         if self.requested != AUTO:
             return
         self.name = saved.get("execution", self.name)
         self.seconds = dict(saved.get("executor_seconds", {}))
         self.peak_bytes = dict(saved.get("executor_peak_bytes", {}))
         self.clients_per_call = dict(saved.get("clients_per_call", {}))
+        self.clients_per_chunk = saved.get("clients_per_chunk")
         self.timing_s = saved.get("executor_timing_s")
 
 
 class _Runs:
-    """A trial's runs by candidate name, as `fastest` and `clients_per_call` take them."""
+    """A trial's runs by candidate name, as `fastest` and `clients_per_call` take them, in the chunks the rounds would
+    take under each candidate (`per_chunk`)."""
 
     def __init__(self, choice: ExecutorChoice, trial: Trial, device: torch.device):
         self.choice, self.trial, self.device = choice, trial, device
+        self.lean_chunk = max(1, int(MATERIAL_MEMORY * memory_in_use(device) // max(trial.client_bytes, 1)))
+
+    def per_chunk(self, name: str) -> int | None:
+        """The clients a chunk of the rounds takes under candidate `name` (None: the whole chunk, where the aggregate
+        needs every upload at once). A reducible aggregate takes each chunk's uploads as it finishes and frees them,
+        so a chunk need hold no more clients than the executor works on at once (a call's, or a thread each); it
+        takes as many more such groups as keep their values under MATERIAL_MEMORY of the memory in use as the timing
+        starts (fewer chunks, each starting and ending its threads, at no material memory; whole groups, so that no
+        thread waits out a chunk's odd client alone)."""
+        if not self.choice.folds:
+            return None
+        clients = self.trial.clients
+        at_once = self.choice.build(name, False, self.device)[0].clients_at_once(clients, self.device)
+        return min(clients, max(1, self.lean_chunk // at_once) * at_once)
 
     def run(self, name: str, steps: int = TRIAL_STEPS, clients: int | None = None, per_call: int | None = None) -> None:
-        """The trial by candidate `name`, batching `per_call` clients a call (by default as measured)."""
-        self.trial(self.choice.build(name, False, self.device, per_call), steps, clients)
+        """The trial by candidate `name`, batching `per_call` clients a call (by default as measured); the first
+        `clients` at once, or by default all of them in the rounds' chunks."""
+        per_chunk = self.per_chunk(name) if clients is None else None
+        self.trial(self.choice.build(name, False, self.device, per_call), steps, clients, per_chunk)
 
     def warm_up(self, name: str) -> None:
         """The trial's first step a phase: the first call's costs, and the same peak memory."""

@@ -13,7 +13,7 @@ from torch import nn
 from fedpilot.engine.accel.linear_graph import NotBatched, layer_of, sgd_
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
-from fedpilot.engine.accel.threads import for_each_client
+from fedpilot.engine.accel.threads import client_threads, for_each_client
 from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
 from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats, models_own
 from fedpilot.engine.memory import keep_freed_memory
@@ -117,6 +117,10 @@ class LoopExecutor(Executor):
 
     name = "loop"
     layout = staticmethod(_as_stored)
+
+    def clients_at_once(self, clients: int, device: torch.device) -> int:
+        """A client per thread (`for_each_client`), or a first step's call of them where it batches one."""
+        return max(super().clients_at_once(clients, device), min(clients, client_threads(device)))
 
     def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:

@@ -1,16 +1,16 @@
 """fedpilot side by side with its peers on one workload, in one run: `make bench` (= python bench/compare.py).
 
 Each contender runs the workload of bench/workload.py in its own process (the peers in their own virtual
-environments, set up by bench/peers/setup.sh on first use) and reports its seconds per round; this driver
-samples the memory of each contender's process tree (PSS, worker processes included), measures the
-machine's large-GEMM GFLOP/s, and prints one markdown table per model with ratios to fedpilot, to the round's bound
-(bench/contenders/bound.py: one model trained over the round's samples in the largest batch that fits, the same
-FLOPs) and the fraction of the GEMM rate each contender achieves on the workload's FLOPs. The contenders run --repeats times,
-taking turns (fedpilot, the plain loops, the peers, then again), so a change in the machine's load falls on all of
-them: the table gives the median over the repeats and the range of each contender's ratio to fedpilot's time in the
-same turn. Then fedpilot's scaling (bench/engine_throughput.py), its cost against the federation and cohort sizes
-(bench/scale.py) and the CNN's first local step batched over the clients (bench/first_step.py). Not part of the test
-suite: nothing here asserts a timing.
+environments, set up by bench/peers/setup.sh on first use) and reports its seconds per round; this driver samples the
+memory of each contender's process tree (PSS, worker processes included), measures the machine's large-GEMM GFLOP/s,
+and prints one markdown table per model with ratios to fedpilot, to the round's bound (bench/contenders/bound.py: one
+model trained over the round's samples in the largest batch that fits, the same FLOPs) and the fraction of the GEMM
+rate each contender achieves on the workload's FLOPs. The contenders run --repeats times, taking turns (fedpilot, the
+plain loops, the peers, then again), so a change in the machine's load falls on all of them: the table gives the
+median over the repeats and the range of each contender's ratio to fedpilot's time in the same turn. Then fedpilot's
+scaling (bench/engine_throughput.py), its cost against the federation and cohort sizes (bench/scale.py) and the CNN's
+first local step batched over the clients (bench/first_step.py). Not part of the test suite: nothing here asserts a
+timing.
 
     python bench/compare.py [--models cnn mlp] [--rounds 7] [--warmup 2] [--repeats 3] [--device cpu|cuda]
                             [--peers flower pfl | --no-peers] [--no-scaling] [--no-scale] [--no-first-step]
@@ -142,10 +142,12 @@ def print_table(model: str, work, rows: list[dict], flops: float, gemm: float, g
             print(f"| {name} | failed: {' '.join(r['error'])[:80]} | | | | | | |")
             continue
         s = r["median_s"]
-        gpu = f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB" if "gpu_util_mean" in r else ""
+        gpu = (f", GPU {r['gpu_util_mean']:.0f}% util, {r['gpu_peak_mib'] / 1024:.1f} GiB"
+               if "gpu_util_mean" in r else "")
         if "device_peak_bytes" in r:
             gpu += f", torch peak {r['device_peak_bytes'] / 2**30:.2f} GiB"
-        ratio = "-" if base is None else "1.00x" if r is base else f"{s / base['median_s']:.2f}x ({ratio_range(r, base)})"
+        ratio = ("-" if base is None else "1.00x" if r is base
+                 else f"{s / base['median_s']:.2f}x ({ratio_range(r, base)})")
         bound = bound_of(r, rows)
         name += f" [batch {r['batch']}, {r['layout']}]" if "batch" in r else ""
         to_bound = "-" if bound is None else f"{s / bound['median_s']:.2f}x"
@@ -225,7 +227,8 @@ def main() -> None:
     if not args.no_scale:
         subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "scale.py"), "--device", args.device], check=True)
     if not args.no_first_step and "cnn" in args.models:
-        subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "first_step.py"), "--device", args.device], check=True)
+        subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "first_step.py"), "--device", args.device],
+                       check=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

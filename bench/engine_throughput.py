@@ -30,7 +30,8 @@ def row(work: Workload, args, gemm: float) -> str:
     flops = flops_per_round(work)
     params = sum(p.numel() for p in stage_for(work, 1).model.parameters())
     return (f"| {work.model} | {work.width} | {params / 1e6:.2f}M | {work.clients_per_round} | {seconds:.4f} | "
-            f"{work.clients_per_round / seconds:.0f} | {flops / seconds / 1e9:.3g} | {100 * flops / seconds / 1e9 / gemm:.3g}% |")
+            f"{work.clients_per_round / seconds:.0f} | {flops / seconds / 1e9:.3g} | "
+            f"{100 * flops / seconds / 1e9 / gemm:.3g}% |")
 
 
 def evaluation_seconds(work: Workload) -> tuple[float, float]:

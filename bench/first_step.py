@@ -71,7 +71,8 @@ def main() -> None:
     for name, trained in reached.items():
         off = max((trained[n] - reached["loop"][n]).abs().max().item() for n in trained)
         if off > 0.05 * moved:  # rounding differs between layouts and vmap (up to ~4% measured); a wrong step ~100%
-            raise SystemExit(f"{name}: clients' weights differ from the loop's by {off:.3g} (the steps moved {moved:.3g})")
+            raise SystemExit(f"{name}: clients' weights differ from the loop's by {off:.3g} "
+                             f"(the steps moved {moved:.3g})")
 
     seconds = fastest(candidates, lambda name: local_steps(name, model, shared, heads, x, y), device,
                       repeats=args.repeats, out_of_the_running=float("inf")).seconds

@@ -170,7 +170,8 @@ def measure(name: str, command: list[str], env: dict[str, str], interval: float 
     result = Measured(name, command)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
-    proc = subprocess.Popen(command, cwd=env["REHEARSAL_DIR"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, cwd=env["REHEARSAL_DIR"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
 
     def sample() -> None:
@@ -214,10 +215,10 @@ def hydra_value(value: object) -> str:
 
 
 def first_stage(pipeline: Path, rounds: int, clients: int, keys: dict) -> str:
-    """`stages=[...]`: the pipeline's first stage only (with `keys` set), `rounds` rounds and at most `clients` a round, its
-    gradients clipped at norm CLIP unless it clips them already: the stand-ins' random images are harder than the
-    real ones, and FEMNIST's lr 0.5 diverged on them within 20 rounds with one executor's rounding and not another's
-    (2026-11-26), which would end the measurement, not say anything about memory or time."""
+    """`stages=[...]`: the pipeline's first stage only (with `keys` set), `rounds` rounds and at most `clients` a
+    round, its gradients clipped at norm CLIP unless it clips them already: the stand-ins' random images are harder
+    than the real ones, and FEMNIST's lr 0.5 diverged on them within 20 rounds with one executor's rounding and not
+    another's (2026-11-26), which would end the measurement, not say anything about memory or time."""
     import yaml
 
     stage = yaml.safe_load(pipeline.read_text())["stages"][0]
@@ -239,8 +240,8 @@ def fitted(pipeline: Path, clients: int) -> list[str]:
 def phases(run: Measured, tracking: str, run_id: str) -> dict:
     """Where the run's time and memory went, from its MLflow stage run and the RSS sampled: the process's start up
     to the stage run (imports, data, model), the first round (with the executor timing, `executor_timing_s`, and
-    the fit's start: together the first round's time less its `round_time_s`), the middle rounds, the last round (with the stage-end evaluation of every client: its
-    time less `round_time_s`), and the report and closing."""
+    the fit's start: together the first round's time less its `round_time_s`), the middle rounds, the last round
+    (with the stage-end evaluation of every client: its time less `round_time_s`), and the report and closing."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking)
@@ -341,8 +342,8 @@ def rehearse(name: str, info: dict, pipeline: Path, extra: list[str], clients: i
     where = phases(run, tracking, run_id)
     for phase, value in where["phases"].items():
         print(f"    {phase:<40} {value['seconds']:8.1f} s  peak {value['peak_rss'] / MiB:8.0f} MiB")
-    print(f"    executor timing {where['executor_timing_s']} s of the first round's {where['first_round_overhead_s']} s "
-          f"beyond its round (candidates' seconds {where['executor_seconds']}), "
+    print(f"    executor timing {where['executor_timing_s']} s of the first round's "
+          f"{where['first_round_overhead_s']} s beyond its round (candidates' seconds {where['executor_seconds']}), "
           f"evaluation of every client {where['evaluation_s']} s, a round {where['round_time_s_median']} s")
     where["evaluated_samples"] = evaluated_samples(cache / "data" / summary["fingerprint"])
     if where["evaluation_s"] > 0:
@@ -370,16 +371,17 @@ def markdown(files: list[Path]) -> str:
                     + f" ({info['bytes'] / MiB:.0f} MiB parquet; load {load})")
             for row in result[name]["rows"]:
                 cpu = f"{row['cpu_seconds']:.0f}" if "cpu_seconds" in row else "-"
-                lines.append(f"| {what} | {row['command']} | {row['seconds']:.1f} | {cpu} | {row['peak_rss'] / MiB:.0f} | "
-                             f"{row['disk_bytes'] / MiB:.1f} | {row['note']} |")
+                lines.append(f"| {what} | {row['command']} | {row['seconds']:.1f} | {cpu} | "
+                             f"{row['peak_rss'] / MiB:.0f} | {row['disk_bytes'] / MiB:.1f} | {row['note']} |")
                 what = ""
             if "phases" in result[name]:
                 where = result[name]["phases"]
                 parts = "; ".join(f"{k} {v['seconds']:.1f} s (peak {v['peak_rss'] / MiB:.0f} MiB)"
                                   for k, v in where["phases"].items())
                 forward = result[name].get("plain_forward")
-                notes.append(f"- {name}, {info['clients']:,} clients: {parts}. Executor timing ~{where['executor_timing_s']} "
-                             f"s, a round {where['round_time_s_median']} s, the stage-end evaluation of every client "
+                notes.append(f"- {name}, {info['clients']:,} clients: {parts}. Executor timing "
+                             f"~{where['executor_timing_s']} s, a round {where['round_time_s_median']} s, "
+                             "the stage-end evaluation of every client "
                              f"{where['evaluation_s']} s over {where['evaluated_samples']:,} samples"
                              + (f" ({where.get('evaluation_samples_per_s')} samples/s; the plain forward "
                                 f"{forward['samples_per_s']} at batch {forward['best_batch']})" if forward else "")
@@ -449,8 +451,9 @@ def main() -> None:
                        write_stackoverflow, users, args.seed, 100 if args.users else 1)
         print(f"Stack Overflow stand-in: {info}", flush=True)
         results["stackoverflow"] = rehearse("stackoverflow", info, ROOT / "pipelines" / "stackoverflow-fedalt.yaml",
-                                            [], min(1000, info["eligible"]), args.out, 0 if args.skip_run else args.so_rounds or args.rounds,
-                                            args.full_build, stage_keys)
+                                            [], min(1000, info["eligible"]), args.out,
+                                            0 if args.skip_run else args.so_rounds or args.rounds, args.full_build,
+                                            stage_keys)
     results["load_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -283,7 +283,7 @@ def run_config(config: Config, timeout: float) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-# ---- the tables ---------------------------------------------------------------------------------------------------------
+# ---- the tables -------------------------------------------------------------------------------------------------
 def size(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
@@ -303,8 +303,8 @@ def grown(r: dict, key: str, before: str = "host_before", peak: str = "host_peak
 def print_rows(first: str, label: str, rows: list[tuple[int, dict]]) -> None:
     """One row per configuration, with ratios to the first that succeeded."""
     base = next((r for _, r in rows if "error" not in r), {})
-    print(f"| {first} | s/round (median) | fastest round | x {label} | CPU s/round (median) | x {label} | host peak RSS | "
-          f"host anonymous, stage's own | x {label} | mapped data pages | read from storage /round | "
+    print(f"| {first} | s/round (median) | fastest round | x {label} | CPU s/round (median) | x {label} | "
+          f"host peak RSS | host anonymous, stage's own | x {label} | mapped data pages | read from storage /round | "
           f"device peak | x {label} | bank rows written | bank bytes |")
     print("|---:" * 15 + "|")
     for n, r in rows:

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from arguments import POSITIVE, input_path, output_folder  # noqa: E402
 
-TESTS = ["tests/test_engine_equivalence.py", "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters",
+TESTS = ["tests/test_engine_equivalence.py",
+         "tests/test_engine_stage.py::test_resume_mid_stage_gives_identical_parameters",
          "tests/test_interruptions.py::test_sigterm_stops_after_the_round_killed_and_resumable",
          "tests/test_memory_model.py::test_a_stage_records_the_estimate_next_to_its_peak",
          "tests/test_novel_clients.py::test_the_novel_distributions_of_a_trained_stage"]
@@ -163,8 +164,8 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
         parts.run("profile", [[sys.executable, "-W", "ignore", "bench/gpu/profile_round.py", "--device", args.device,
                                *size]], "compare.log", 90)
     if "compare" in args.parts:
-        parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device, "--no-peers",
-                               "--no-scaling", "--no-scale", "--no-first-step", *compare,
+        parts.run("compare", [[sys.executable, "-W", "ignore", "bench/compare.py", "--device", args.device,
+                               "--no-peers", "--no-scaling", "--no-scale", "--no-first-step", *compare,
                                "--json", str(out / "compare.json")]], "compare.log", 150 if args.quick else 240)
     if "scale" in args.parts:
         parts.run("scale", [[sys.executable, "-W", "ignore", "bench/scale.py", "--device", args.device, *scale,

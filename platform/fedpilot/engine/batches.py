@@ -91,7 +91,8 @@ def _orderings(sizes: torch.Tensor, repeats: int, width: int, gen: torch.Generat
     return keys.argsort(dim=-1)
 
 
-def epoch_plan(offsets: torch.Tensor, sizes: torch.Tensor, epochs: float, batch: int, gen: torch.Generator) -> BatchPlan:
+def epoch_plan(offsets: torch.Tensor, sizes: torch.Tensor, epochs: float, batch: int,
+               gen: torch.Generator) -> BatchPlan:
     """`epochs` passes over each client's samples in batches of `batch` (the last batch of a pass may be short; a
     batch larger than every client is the whole client: the plan is no wider than the largest client).
 

@@ -335,7 +335,8 @@ class Cohort:
 class Trial:
     """The local work of the first chunk of a round's cohort (`chunk`), on copies of its clients' bank rows (what it
     computes is thrown away): `trial(executors, steps, clients, per_chunk)` runs the chunk's first `clients` (None:
-    all), `per_chunk` at a time as the rounds would (None: at once), `steps` steps a phase (engine.accel.choice.Trial)."""
+    all), `per_chunk` at a time as the rounds would (None: at once), `steps` steps a phase
+    (engine.accel.choice.Trial)."""
 
     algorithm: Algorithm
     work: RoundWork

@@ -40,7 +40,7 @@ class NotBatched(Exception):
 
 @dataclass
 class Tape:
-    """One pass over K clients' B samples each: what each trained layer saw, input A [K, n, in] and output [K, n, out]."""
+    """One pass over K clients' B samples each: what each trained layer saw, input A [K, n, in], output [K, n, out]."""
 
     clients: int
     samples: int

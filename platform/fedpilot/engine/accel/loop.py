@@ -128,13 +128,14 @@ class LoopExecutor(Executor):
         trained = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device) for n, p in trainable.items()}
         return self.steps_from(0, module, trained, trainable, frozen, fixed, batches, rule, stats)
 
-    def steps_from(self, first: int, module: nn.Module, trained: Tensors, start: Tensors, frozen: Tensors, fixed: Tensors,
-                   batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
+    def steps_from(self, first: int, module: nn.Module, trained: Tensors, start: Tensors, frozen: Tensors,
+                   fixed: Tensors, batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         """Each client's active steps of the plan from step `first` on, from its row of `start` (which may be
         `trained` itself), into its row of `trained`."""
 
         def client(k: int, module: nn.Module) -> None:
-            step = eager_client_stepper(module, self.forward, self.task, self.layout, rule.for_rows(slice(k, k + 1), start))
+            own_rule = rule.for_rows(slice(k, k + 1), start)
+            step = eager_client_stepper(module, self.forward, self.task, self.layout, own_rule)
             mine = {n: p[k : k + 1].copy_(start[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             for s in (torch.nonzero(batches.active[k, first:]).flatten() + first).tolist():

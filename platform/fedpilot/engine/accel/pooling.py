@@ -1,9 +1,10 @@
 """2-d pooling in the memory layout measured fastest for each input, inside eager forward passes.
 
 torch's CPU max pooling of an NCHW tensor is much slower than of the same tensor channels-last (bench/README.md),
-while convolutions are often faster NCHW. `MeasuredPooling` runs each pooling call of an NCHW-contiguous input in whichever layout a timing of
-that call's shape measured faster (once per process and shape), and hands the output back NCHW, so the
-layers around it keep their layout. The values are the same: only where the pooling reads and writes changes.
+while convolutions are often faster NCHW. `MeasuredPooling` runs each pooling call of an NCHW-contiguous input in
+whichever layout a timing of that call's shape measured faster (once per process and shape), and hands the output
+back NCHW, so the layers around it keep their layout. The values are the same: only where the pooling reads and
+writes changes.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def channels_last_is_faster(func: Callable, args: tuple, kwargs: dict) -> bool:
     key = (func, tuple(x.shape), x.dtype, x.device, repr(args[1:]), repr(sorted(kwargs.items())))
     if key not in _channels_last_faster:
         sample = (x.detach(), *args[1:])
-        runs = {"nchw": lambda: func(*sample, **kwargs), "channels_last": lambda: _run_channels_last(func, sample, kwargs)}
+        runs = {"nchw": lambda: func(*sample, **kwargs),
+                "channels_last": lambda: _run_channels_last(func, sample, kwargs)}
         with torch.no_grad():
             choice = fastest(list(runs), lambda name: runs[name](), x.device).choice
         _channels_last_faster[key] = choice == "channels_last"

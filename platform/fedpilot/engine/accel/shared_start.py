@@ -87,8 +87,8 @@ def first_step_grads(module: nn.Module, forward: Callable, task: Task, params: T
 
     hooks = [layout.modules[name].register_forward_hook(record(name)) for name in seen]
     try:
-        leaves = {**{n: v[0].detach().requires_grad_(n in trainable and n not in layout.own) for n, v in params.items()},
-                  **fixed}
+        leaves = {n: v[0].detach().requires_grad_(n in trainable and n not in layout.own) for n, v in params.items()}
+        leaves.update(fixed)
         with torch.enable_grad():
             output = forward(module, leaves, x.flatten(0, 1))
             loss, metric = task.client_losses(output.unflatten(0, (clients, -1)), y, w)

@@ -123,4 +123,5 @@ def test_no_link_in_the_docs_leaves_the_repository():
                 continue
             resolved = (page.parent / target).resolve()
             assert resolved.is_relative_to(ROOT) and resolved.exists(), (page.name, target)
+        assert "../shared" not in page.read_text(), page.name  # a clone has no shared/ beside it, linked or not
     assert "docs/architecture.md" in (ROOT / "README.md").read_text()

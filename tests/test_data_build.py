@@ -16,6 +16,7 @@ import pytest
 from fedpilot.data.config import DatasetSpec
 from fedpilot.data.federated import FederatedData, build_federated_data
 from fedpilot.data.summary import describe, format_summary
+from fedpilot.errors import SpecError
 from fedpilot.spec import compose_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_cache_hit_and_fingerprint(tmp_path):
     assert time.perf_counter() - start < 1.0
     assert second.cache_hit and not first.cache_hit and [p.name for p in tmp_path.iterdir()] == [first.fingerprint]
     assert {p.name for p in (tmp_path / first.fingerprint).iterdir()} == {"x.npy", "y.npy", "index.npz", "meta.json",
-                                                                           "summary.json"}
+                                                                           "samples.npz", "summary.json"}
     assert np.array_equal(first.y, second.y) and np.array_equal(first.x, second.x)
     assert first.feature_shape == second.feature_shape
     other_split = digits(tmp_path, kind="dirichlet", clients=100, alpha=0.3,
@@ -153,3 +154,28 @@ def test_normalize_augmentation_of_a_constant_channel_centres_it(tmp_path):
             "partition": {"kind": "iid", "clients": 2}, "augment": ["normalize"]}
     data = build_federated_data(DatasetSpec.from_dict(spec), 0, tmp_path / "cache")
     assert data.mean[0] == pytest.approx(0.5) and data.std[0] == 1e-6 and 0.2 < data.std[1] < 0.4
+
+
+def test_redrawn_splits_keep_each_clients_test_samples(tmp_path):
+    """split.redraw: the run seed re-cuts train / val only; the clients and their test samples are dataset.seed's,
+    so no seed trains or validates on another seed's test samples. Without it a seed redraws everything."""
+    def build(seed: int, redraw: bool, dataset_seed: int | None = 5) -> FederatedData:
+        spec = {"source": {"kind": "digits"}, "partition": {"kind": "dirichlet", "clients": 20, "alpha": 0.5},
+                "split": {"redraw": redraw}, "seed": dataset_seed}
+        return build_federated_data(DatasetSpec.from_dict(spec), seed=seed, cache_dir=tmp_path)
+
+    one, two = build(1, True), build(2, True)
+    assert one.fingerprint != two.fingerprint
+    for c in range(20):
+        assert np.array_equal(one.samples("test")[c], two.samples("test")[c])
+        assert not set(two.samples("test")[c]) & (set(one.samples("train")[c]) | set(one.samples("val")[c]))
+        assert np.array_equal(np.sort(np.concatenate([one.samples("train")[c], one.samples("val")[c]])),
+                              np.sort(np.concatenate([two.samples("train")[c], two.samples("val")[c]])))
+    assert any(not np.array_equal(one.samples("val")[c], two.samples("val")[c]) for c in range(20))
+    fixed = build(1, False), build(2, False)  # dataset.seed alone: one federation for every seed
+    assert fixed[0].fingerprint == fixed[1].fingerprint
+    drawn = build(1, False, None), build(2, False, None)  # no dataset.seed: every seed another federation
+    test_of_one = set(np.concatenate(drawn[0].samples("test")))
+    assert test_of_one & set(np.concatenate(drawn[1].samples("train") + drawn[1].samples("val")))
+    with pytest.raises(SpecError, match="dataset.split.redraw"):
+        build(1, True, None)

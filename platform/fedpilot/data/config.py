@@ -211,11 +211,15 @@ class PartitionSpec(Strict):
 
 class SplitSpec(Strict):
     """Fractions of each client's samples for train / val / test. train and test are > 0 (every client trains,
-    every stage records each client's test metrics); val may be 0 (no validation metrics then)."""
+    every stage records each client's test metrics); val may be 0 (no validation metrics then). `redraw`: each
+    pipeline seed re-cuts a client's train / val, while its test samples (and the clients) stay those `dataset.seed`
+    draws, so no seed ever trains or validates on another seed's test samples (a tuned comparison's `tune.splits:
+    train_val`)."""
 
     train: float = Field(0.6, ge=0, le=1)
     val: float = Field(0.2, ge=0, le=1)
     test: float = Field(0.2, ge=0, le=1)
+    redraw: bool = False
 
     @model_validator(mode="after")
     def _sums_to_one(self) -> SplitSpec:
@@ -256,6 +260,9 @@ class DatasetSpec(Strict):
         if self.task != "classification" and self.partition.kind in ("dirichlet", "shards"):
             raise SpecError("dataset.partition.kind", self.partition.kind, f"splits by class labels, which task "
                             f"{self.task} has not", allowed=["natural", "iid"])
+        if self.split.redraw and self.seed is None:
+            raise SpecError("dataset.split.redraw", True, "keeps the test samples dataset.seed draws while each seed "
+                            "re-cuts train / val: set dataset.seed too")
         return self
 
     @classmethod

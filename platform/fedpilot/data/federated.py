@@ -1,7 +1,8 @@
 """Client-major arrays for the engine, built once and cached on disk by fingerprint (numpy; no torch).
 
 A cache entry is a folder <cache>/data/<fingerprint>/ with x.npy (and y.npy), index.npz (per-split offsets and
-sizes), meta.json, summary.json and, for text, tokenizer.json. Loading memory-maps the arrays, so a dataset
+sizes), samples.npz (which of the source's samples each client's split holds), meta.json, summary.json and, for
+text, tokenizer.json. Loading memory-maps the arrays, so a dataset
 costs the memory of the pages the engine touches, and building holds one copy of the stored rows (images as
 uint8, never a float copy of the whole set). A new build stays in a temporary folder until the checks of the
 command that built it have passed (`staging`): a refused command leaves the cache as it was.
@@ -32,7 +33,7 @@ from fedpilot.data.sources import RawData, load_source
 from fedpilot.errors import SpecError, check_memory
 from fedpilot.settings import cache_root
 
-FORMAT_VERSION = 3  # bump when the stored layout or the build algorithm changes
+FORMAT_VERSION = 4  # bump when the stored layout or the build algorithm changes
 SPLITS = ("train", "val", "test")
 CHECK_CHUNK = 1 << 20  # values checked for nan and inf at a time
 MIN_STD = 1e-6  # a constant feature or channel is centred, not divided by 0
@@ -102,15 +103,22 @@ class FederatedData:
         """Each row's target: `y`, or the next tokens of a next-token window."""
         return self.x[:, 1:] if self.y is None else self.y
 
+    def samples(self, split: str) -> list[np.ndarray]:
+        """Per client, the indices into the source of the samples its `split` holds (a text's windows come from
+        these samples): what tells whether two builds share a sample."""
+        stored = np.load(self.folder / "samples.npz")
+        ids, counts = stored[f"ids_{split}"], stored[f"counts_{split}"]
+        return np.split(ids, np.cumsum(counts)[:-1])
 
-def fingerprint(spec: DatasetSpec, seed: int) -> str:
-    """sha256 (16 hex chars) of everything that determines the arrays: spec, effective seed, FORMAT_VERSION, the
-    data package's code (an edited partitioner or source builds anew), a plugin source's code and a tokenizer
-    file's contents."""
+
+def fingerprint(spec: DatasetSpec, seed: int, redraw: int | None = None) -> str:
+    """sha256 (16 hex chars) of everything that determines the arrays: spec, effective seed (and with
+    `split.redraw` the run seed that re-cuts train / val), FORMAT_VERSION, the data package's code (an edited
+    partitioner or source builds anew), a plugin source's code and a tokenizer file's contents."""
     tokenizer = spec.text.tokenizer if spec.text else None
     saved = (hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer and os.path.isfile(tokenizer)
              else None)
-    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "format": FORMAT_VERSION,
+    blob = json.dumps({"spec": spec.model_dump(mode="json"), "seed": seed, "redraw": redraw, "format": FORMAT_VERSION,
                        "code": _data_code(), "source_code": _plugin_code(spec.source), "tokenizer": saved},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -145,17 +153,19 @@ def default_cache_dir() -> Path:
 
 
 def build_federated_data(spec: DatasetSpec, seed: int, cache_dir: Path | None = None) -> FederatedData:
-    """The federated dataset of `spec` (with spec.seed, else `seed`), loaded from the cache when built before; a new
-    build becomes a cache entry when the `staging` block around it ends (at once outside one)."""
+    """The federated dataset of `spec` (with spec.seed, else `seed`; with `split.redraw`, train / val re-cut by
+    `seed`), loaded from the cache when built before; a new build becomes a cache entry when the `staging` block
+    around it ends (at once outside one)."""
+    redraw = seed if spec.split.redraw else None
     seed = spec.seed if spec.seed is not None else seed
-    key = fingerprint(spec, seed)
+    key = fingerprint(spec, seed, redraw)
     folder = Path(cache_dir or default_cache_dir()) / key
     if (folder / "meta.json").is_file():
         return load(folder, cache_hit=True)
     with staging() as staged:
         if folder not in staged:
             remove_abandoned(folder)
-            staged[folder] = Build(spec, seed, key, folder.parent.parent / "downloads").stage(folder)
+            staged[folder] = Build(spec, seed, key, folder.parent.parent / "downloads", redraw).stage(folder)
         return staged[folder].data
 
 
@@ -257,7 +267,7 @@ class Build:
     """Load a source, check it against the task, partition it, split each client, tokenize text, and lay the
     samples out client-major (`stage` writes the cache entry, `Staged.publish` renames it into place)."""
 
-    def __init__(self, spec: DatasetSpec, seed: int, key: str, downloads: Path):
+    def __init__(self, spec: DatasetSpec, seed: int, key: str, downloads: Path, redraw: int | None = None):
         self.spec, self.key, self.tokenizer = spec, key, None
         rng = np.random.default_rng([seed, 1])
         report("loading", 0, 1)
@@ -267,7 +277,9 @@ class Build:
         targets, self.num_classes = task_targets(raw, spec)
         strata = targets if spec.task == "classification" else np.zeros(len(raw.x), dtype=np.int64)
         clients = partition(strata, raw.groups, spec.partition, rng)
-        parts = [split_client(idx, strata, spec.split, rng) for idx in clients]
+        parts = [split_client(idx, strata, spec.split, rng, None if redraw is None else (redraw, i))
+                 for i, idx in enumerate(clients)]
+        self.parts = parts
         natural = spec.partition.kind == "natural"
         self.names = [str(raw.groups[c[0]]) if natural else str(i) for i, c in enumerate(clients)]
         self.meta: dict[str, Any] = {"scale": raw.scale}
@@ -405,6 +417,8 @@ class Build:
             np.save(tmp / "y.npy", np.ascontiguousarray(self.y))
         np.savez(tmp / "index.npz", **{f"offsets_{s}": self.offsets[s] for s in SPLITS},
                  **{f"sizes_{s}": self.sizes[s] for s in SPLITS})
+        np.savez(tmp / "samples.npz", **{f"ids_{s}": np.concatenate([p[s] for p in self.parts]) for s in SPLITS},
+                 **{f"counts_{s}": np.array([len(p[s]) for p in self.parts], dtype=np.int64) for s in SPLITS})
         meta = {"task": self.spec.task, "num_classes": int(self.num_classes),
                 "feature_shape": list(self.feature_shape), "client_names": self.names, "fingerprint": self.key,
                 **self.meta}

@@ -134,17 +134,20 @@ def _members(owner: np.ndarray, k: int) -> list[np.ndarray]:
     return np.split(order, np.cumsum(np.bincount(owner, minlength=k))[:-1])
 
 
-def split_client(indices: np.ndarray, labels: np.ndarray, spec: SplitSpec,
-                 rng: np.random.Generator) -> dict[str, np.ndarray]:
+def split_client(indices: np.ndarray, labels: np.ndarray, spec: SplitSpec, rng: np.random.Generator,
+                 redraw: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """train/val/test of one client. Sizes: val = round(val * n) and test = round(test * n) (half to even), train
-    the rest; when that leaves no train sample, the larger of test/val gives one up. Test is cut off first, then val."""
+    the rest; when that leaves no train sample, the larger of test/val gives one up. Test is cut off first (by
+    `rng`), then val: by `rng` too, or with `redraw` = (the run's seed, the client's index) by a generator of its
+    own, so that the test cut is the same for every run seed."""
     n = len(indices)
     n_val, n_test = round(spec.val * n), round(spec.test * n)
     while n - n_val - n_test < 1:
         n_test, n_val = (n_test - 1, n_val) if n_test >= n_val else (n_test, n_val - 1)
     seed = int(rng.integers(2**31))
     rest, test = _cut(indices, n_test, labels, seed)
-    train, val = _cut(rest, n_val, labels, seed + 1)
+    val_seed = seed + 1 if redraw is None else int(np.random.default_rng([*redraw, 2]).integers(2**31))
+    train, val = _cut(rest, n_val, labels, val_seed)
     return {"train": train, "val": val, "test": test}
 
 

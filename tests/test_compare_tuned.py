@@ -21,14 +21,11 @@ import yaml
 from mlflow import MlflowClient
 
 from fedpilot.compare.work import COMPARE_RUN_TAG, VARIANT_TAG
-from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from pipeline_fixtures import cli, run_id_of, write_pipeline
+from tuning_fixtures import TUNED_BASE
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = {**SMALL, "dataset": {"partition": {"kind": "dirichlet", "alpha": 0.5, "clients": 12}},
-        "tracking": {"system_metrics": False, "plots": False},
-        "stages": [{**SMALL["stages"][0], "rounds": 2, "clients_per_round": 4},
-                   {"name": "more", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 4,
-                    "local": {"steps": 2, "batch_size": 10, "lr": 0.05}}]}
+BASE = TUNED_BASE
 OTHER = {**BASE, "name": "other", "stages": [BASE["stages"][0], {**BASE["stages"][1], "algorithm": "fedalt"}]}
 
 
@@ -47,7 +44,7 @@ def recorded(client: MlflowClient, run_id: str, folder: Path) -> dict:
 
 def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(workdir):
     storage = f"sqlite:///{workdir}/studies.db"
-    code, output = cli("compare", write_set(workdir), "--untuned", "--storage", storage)
+    code, output = cli("compare", write_set(workdir, edge_trials=0), "--untuned", "--storage", storage)
     assert code == 0, output
     client, run_id = MlflowClient(), run_id_of(output)
     record = recorded(client, run_id, workdir)
@@ -62,9 +59,10 @@ def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(
         assert study.metric_names == ["val_acc_mean"] and study.user_attrs["mlflow_comparison_run"] == run_id
         search = client.search_runs([experiment], f"tags.`fedpilot.search` = '{study.study_name}'")[0]
         assert search.data.tags["mlflow.parentRunId"] == run_id
-        trial_seeds = {r.data.tags["fedpilot.seed"] for r in client.search_runs(
+        trial_seeds = {(r.data.tags["fedpilot.trial"], r.data.tags["fedpilot.seed"]) for r in client.search_runs(
             [experiment], f"tags.mlflow.parentRunId = '{search.info.run_id}'")}
-        assert trial_seeds == {"2"}  # the tuning seed only
+        # the tuning seed only, and trial 0 on the noise seed (the pruner's margin), which no comparison judges on
+        assert trial_seeds == {("0", "2"), ("1", "2"), ("2", "2"), ("0", "3")}
         chosen = {k.removeprefix(f"tuned.{pipeline}."): float(v) for k, v in client.get_run(run_id).data.tags.items()
                   if k.startswith(f"tuned.{pipeline}.")}
         assert chosen == pytest.approx(study.best_params)
@@ -161,8 +159,9 @@ def test_a_killed_comparison_run_again_finishes_every_run_once(workdir):
                 if r.info.status == "FINISHED" and r.data.tags[VARIANT_TAG] == "tuned"]
     assert sorted(finished) == [(p, s) for p in ("base", "other") for s in ("0", "1")], finished
     assert all(r.info.status in ("FINISHED", "KILLED") for r in runs) and killed_after >= 1
-    for study in recorded(client, run_id, workdir)["tuning"].values():
-        assert study["trials"] == 3
+    record = recorded(client, run_id, workdir)
+    for name, study in record["tuning"].items():  # N, and those beyond an edge its best lay near
+        assert study["trials"] == 3 + record["study_facts"][name]["beyond_edge"]
 
 
 def finished_units(client: MlflowClient) -> list:
@@ -179,6 +178,15 @@ def finished_units(client: MlflowClient) -> list:
     ([], {"seeds": [1, 7]}, "tune.seeds=[1, 7]: overlap the comparison's seeds ([1])"),
     ([], {"trials": 0}, "tune.trials=0"),
     (["--untuned", "--seeds", "2"], {"trials": 2, "untuned": True, "pruner": {"kind": "fast"}}, "tune.pruner.kind"),
+    ([], {"splits": "redraw"}, "tune.splits='redraw': base: "),  # each seed its own federation: test samples leak
+    ([], {"space": {"other": {"stages.1.params.lr_u": {"type": "float", "low": 0.1, "high": 1, "log": True}}},
+          "widen": False}, "tune.space.other.stages.1.params.lr_u={'type': 'float', 'low': 0.1, 'high': 1.0, 'log': "
+                           "True}: leaves out the pipeline's value 0.05"),
+    ([], {"space": {"nope": {"stages.1.local.lr": {"type": "float", "low": 0.1, "high": 1}}}},
+     "tune.space.nope='nope': not the name of a pipeline of the set"),
+    ([], {"edge_trials": -1}, "tune.edge_trials=-1"),
+    ([], {"trials": -3}, "tune.trials=-3"),
+    ([], {"budget": "everything"}, "tune.budget='everything'"),
 ])
 def test_bad_tuning_exits_2_and_creates_nothing(workdir, args, tune, message):
     set_file = write_set(workdir, **tune)

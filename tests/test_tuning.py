@@ -20,6 +20,7 @@ from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
 from fedpilot.tuning import PruneOnEvaluation, Search, make_pruner, make_sampler, quiet_optuna
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from tuning_fixtures import pruned_at, study_with
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
 
@@ -97,13 +98,17 @@ def test_search_records_trials_under_one_run_and_resumes_by_name(env):
     assert {"plots/optimization_history.png", "plots/intermediate_values.png"} <= plots
     trial_runs = client.search_runs(search_run.info.experiment_id,
                                     f"tags.mlflow.parentRunId = '{search_run.info.run_id}'")
-    assert sorted(int(r.data.tags["fedpilot.trial"]) for r in trial_runs) == [0, 1, 2, 3]
+    # trial 0 also trains the noise seed (the pruner's margin: the noise between seeds)
+    assert sorted(int(r.data.tags["fedpilot.trial"]) for r in trial_runs) == [0, 0, 1, 2, 3]
+    noise = [r for r in trial_runs if r.data.tags.get("fedpilot.noise_seed") == "true"]
+    assert [(r.data.tags["fedpilot.trial"], r.data.tags["fedpilot.seed"]) for r in noise] == [("0", "1")]
     pretrain_cache = []
     for trial_run in trial_runs:
         stages = client.search_runs(search_run.info.experiment_id,
                                     f"tags.mlflow.parentRunId = '{trial_run.info.run_id}'")
         pretrain_cache += [s.data.tags["fedpilot.cache"] for s in stages if s.data.tags["fedpilot.stage"] == "pretrain"]
-    assert sorted(pretrain_cache) == ["hit"] * 3 + ["miss"]  # the space only touches stage 1: pretrain runs once
+    # the space only touches stage 1: pretrain runs once per seed (the search's and the noise seed)
+    assert sorted(pretrain_cache) == ["hit"] * 3 + ["miss"] * 2
 
 
 def test_a_trial_below_the_median_is_pruned_and_its_run_killed(env):
@@ -284,59 +289,30 @@ def test_the_largest_sampler_seed_still_seeds_a_sampler_for_every_trial(kind):
         make_sampler(spec, offset)
 
 
-def _study_with(finished: list[dict[int, float]], direction: str = "maximize") -> optuna.Study:
-    """An in-memory study holding finished trials with these intermediate values (the last one its value)."""
-    from optuna.distributions import FloatDistribution
-
-    study = optuna.create_study(direction=direction)
-    for curve in finished:
-        study.add_trial(optuna.trial.create_trial(
-            params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)}, value=curve[max(curve)],
-            intermediate_values=curve))
-    return study
-
-
-def _pruned_at(pruner, study: optuna.Study, curve: dict[int, float]) -> int | None:
-    """The first step at which `pruner` prunes a trial reporting `curve` (None: it runs to the end)."""
-    study.pruner = pruner
-    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
-    for step, value in sorted(curve.items()):
-        trial.report(value, step)
-        if trial.should_prune():
-            return step
-    return None
-
-
 def test_the_default_pruner_keeps_a_noisy_near_twin_of_the_best_and_prunes_a_clear_loser():
     """The case of issue 43: PFLEGO on the shift set, 50 pretraining rounds then 40 tuned ones evaluated every 10.
     Optuna's median pruner with 2 startup trials and no warm-up prunes a near-twin of the best trial at its first
     evaluation (0.811 at round 60, where it is noisy); the default (warm-up to half the tuned rounds, a margin of
-    twice the evaluation noise measured on the finished curves) keeps it, and still prunes a configuration clearly
-    worse at every evaluation."""
-    from fedpilot.tuning import MarginPruner, noise_margin
+    twice the noise between two seeds of trial 0) keeps it, and still prunes a configuration clearly worse at every
+    evaluation."""
+    from fedpilot.studies.pruner import MarginPruner, seed_margin
 
     finished = [{60: 0.830, 70: 0.824, 80: 0.840, 90: 0.844},  # the best trial: rho 0.125, beta 0.269
                 {60: 0.822, 70: 0.834, 80: 0.829, 90: 0.838},
                 {60: 0.828, 70: 0.836, 80: 0.831, 90: 0.842}]
+    noise = {"2": [[60, 0.830], [70, 0.824], [80, 0.840], [90, 0.844]],  # trial 0's second seed: about 0.005 off
+             "3": [[60, 0.825], [70, 0.830], [80, 0.834], [90, 0.849]]}
     twin = {60: 0.811, 70: 0.826, 80: 0.832, 90: 0.843}  # rho 0.126, beta 0.261: noisy at its first evaluation
     loser = {60: 0.70, 70: 0.72, 80: 0.73, 90: 0.74}
-    assert _pruned_at(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0), _study_with(finished),
+    assert pruned_at(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0), study_with(finished),
                       twin) == 60  # what happened by hand
     spec = PipelineSpec.from_dict({**spec_with({**SEARCH, "trials": 6, "pruner": {"kind": "median"}}), "stages": [
         {**SMALL["stages"][0], "rounds": 50}, {**SMALL["stages"][1], "rounds": 40}]})
     pruner = make_pruner(spec, 6)
     assert isinstance(pruner, MarginPruner) and (pruner.startup, pruner.warmup, pruner.margin) == (2, 70, None)
-    margin = noise_margin(_study_with(finished).get_trials())
-    assert 0.003 < margin < 0.03
-    assert _pruned_at(pruner, _study_with(finished), twin) is None
-    assert _pruned_at(pruner, _study_with(finished), loser) == 70
-    assert _pruned_at(pruner, _study_with(finished[:1]), loser) is None  # one finished trial: below the startup
-    assert _pruned_at(make_pruner(spec, 20), _study_with(finished), loser) is None  # 20 trials: 7 startup ones
-
-
-def test_the_margin_needs_curves_to_measure_noise_on():
-    from fedpilot.tuning import noise_margin
-
-    assert noise_margin(_study_with([{10: 0.5, 20: 0.6}]).get_trials()) is None  # no second difference yet
-    flat = noise_margin(_study_with([{s: 0.5 for s in (10, 20, 30, 40)}] * 3).get_trials())
-    assert flat == 0.0
+    assert seed_margin(study_with(finished, noise=noise).get_trials()) == pytest.approx(0.0111, abs=1e-4)
+    assert pruned_at(pruner, study_with(finished, noise=noise), twin) is None
+    assert pruned_at(pruner, study_with(finished, noise=noise), loser) == 70
+    assert pruned_at(pruner, study_with(finished), loser) is None  # no noise measured yet: no pruning
+    assert pruned_at(pruner, study_with(finished[:1], noise=noise), loser) is None  # below the startup
+    assert pruned_at(make_pruner(spec, 20), study_with(finished, noise=noise), loser) is None  # 7 startup ones

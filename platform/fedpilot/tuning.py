@@ -6,10 +6,16 @@ database serializes the moment a trial is created, so exactly N trials finish, n
 heartbeats; a trial whose process died goes stale, is failed by Optuna and re-enqueued with the same
 parameters (RetryHeartbeatStaleTrialCallback), and the next process to look runs it. Trials reuse the
 stage cache, so stages the space does not touch (usually pretraining) run once for the whole study.
+
+A study starts with trial 0 (a comparison's pipeline as written) and scrambled Sobol points, then follows Optuna's
+TPE (studies/points.py); trial 0 also trains a second seed, whose evaluations measure the noise the pruner's margin
+is made of (studies/pruner.py); once its trials are done, a best value near an edge of its range grows the range
+and spends `edge_trials` further trials beyond it (studies/edges.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -27,7 +33,7 @@ from optuna.trial import TrialState
 
 from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.errors import Diverged, SearchError
+from fedpilot.errors import Diverged, SearchError, SpecError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.report import log_report
@@ -35,6 +41,9 @@ from fedpilot.report.runs import short_keys
 from fedpilot.schema import SEED_MAX
 from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
+from fedpilot.studies.edges import EDGES, edge_of, extensible, flags, grown, with_grown
+from fedpilot.studies.points import BEYOND_EDGE, ORIGIN, SOBOL, TPE, WRITTEN, sobol_points, startup_count
+from fedpilot.studies.pruner import CURVES, MarginPruner, curve_attr, seed_margin
 from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
 
 STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
@@ -49,16 +58,31 @@ def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
     return trial.suggest_float(key, param.low, param.high, step=param.step, log=param.log)
 
 
-def make_sampler(spec: PipelineSpec, offset: int = 0) -> optuna.samplers.BaseSampler:
-    """The search's sampler seeded with `seed + offset` (the trial count: distinct seeds across processes), wrapped
-    into the seeds numpy's RandomState takes (0 to SEED_MAX)."""
+NOISE = "noise"  # a trial's user attribute: it also trains the study's noise seed(s)
+
+
+def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
+                 startup: int = 0) -> optuna.samplers.BaseSampler:
+    """The search's sampler seeded with `seed + design + offset` (`design`: the study's own, `design_seed`; the trial
+    count: distinct seeds across processes), wrapped into the seeds numpy's RandomState takes (0 to SEED_MAX). TPE
+    models the trials once the `startup` ones (trial 0 and the Sobol points) are done."""
     sampler = spec.search.sampler
-    seed = (sampler.seed + offset) % (SEED_MAX + 1)
+    seed = (sampler.seed + design + offset) % (SEED_MAX + 1)
     if sampler.kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler.kind == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=max(1, startup))
+
+
+def design_seed(spec: PipelineSpec, seeds: tuple[int, ...]) -> int:
+    """A seed of the study's own, from what decides its trials but their number (the pipeline, its space,
+    objective, sampler and pruner, the seeds it trains on): two studies never try the same relative points, and a
+    study asked for more trials starts with the same ones (the stage cache then has them)."""
+    what = {k: v for k, v in spec.resolved().items() if k != "tracking"}
+    what["search"] = {k: v for k, v in what["search"].items() if k not in ("trials", "study")}
+    blob = json.dumps({"spec": what, "seeds": list(seeds)}, sort_keys=True).encode()
+    return int(hashlib.sha256(blob).hexdigest()[:8], 16)
 
 
 def make_pruner(spec: PipelineSpec, trials: int) -> optuna.pruners.BasePruner:
@@ -83,72 +107,90 @@ def searched_rounds(spec: PipelineSpec) -> tuple[int, int]:
     return sum(rounds[:first]), sum(rounds[first:])
 
 
-class MarginPruner(optuna.pruners.BasePruner):
-    """Optuna's median rule with a margin for the noise: at an evaluation past `warmup` rounds, once `startup`
-    trials have finished, a trial is pruned when its value is worse than the median of the finished trials' values
-    at the same round by more than `margin`. `margin=None`: twice the noise of one evaluation (noise_margin), and no
-    pruning before the finished trials' curves can tell it."""
+@dataclass
+class Evaluations:
+    """What a trial's searched stages did on one seed: the objective at each evaluation, (step, value), and the
+    rounds they trained (a study's budget, the same whichever process trained the shared stages)."""
 
-    def __init__(self, startup: int, warmup: int, margin: float | None):
-        self.startup, self.warmup, self.margin = startup, warmup, margin
-
-    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        step = trial.last_step
-        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if step is None or step < self.warmup or len(finished) < self.startup:
-            return False
-        others = [t.intermediate_values[step] for t in finished if step in t.intermediate_values]
-        margin = self.margin if self.margin is not None else noise_margin(finished)
-        if not others or margin is None:
-            return False
-        gap = float(np.median(others)) - trial.intermediate_values[step]
-        return (gap if study.direction == optuna.study.StudyDirection.MAXIMIZE else -gap) > margin
-
-
-def noise_margin(trials: list[optuna.trial.FrozenTrial], least: int = 3) -> float | None:
-    """Twice the noise sd of one evaluation, from the finished trials' curves: the second differences of a curve's
-    successive values take out its trend, and for independent noise of sd s their sd is s * sqrt(6) (a robust
-    estimate: 1.4826 x their median absolute value). None with fewer than `least` second differences."""
-    seconds = [np.diff([t.intermediate_values[k] for k in sorted(t.intermediate_values)], n=2) for t in trials]
-    pooled = np.concatenate([d for d in seconds if len(d)] or [np.empty(0)])
-    pooled = pooled[np.isfinite(pooled)]
-    if len(pooled) < least:
-        return None
-    return 2 * 1.4826 * float(np.median(np.abs(pooled))) / math.sqrt(6)
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    rounds: int = 0
 
 
 class PruneOnEvaluation(RoundCallback):
-    """Reports the objective's metric at each evaluation of a stage and prunes the trial when Optuna says so.
+    """Counts a stage's rounds and records the objective's metric at each of its evaluations in `seen` and, given a
+    `trial`, reports it and prunes the trial when Optuna says so.
 
     Steps count rounds across the pipeline (a stage's rounds are offset by those of the stages before it), so
     every trial reports the same steps whatever stages it reused from the cache.
     """
 
-    def __init__(self, trial: optuna.Trial, metric: str, offset: int):
+    def __init__(self, trial: optuna.Trial | None, metric: str, offset: int, seen: Evaluations | None = None):
         self.trial, self.metric, self.offset = trial, metric, offset
+        self.seen = Evaluations() if seen is None else seen
 
     def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        self.seen.rounds += 1
         value = result.metrics.get(self.metric)
         if value is None or not math.isfinite(value):
             return
-        self.trial.report(value, self.offset + result.round)
+        step = self.offset + result.round
+        self.seen.curve.append((step, value))
+        if self.trial is None:
+            return
+        self.trial.report(value, step)
         if self.trial.should_prune():
-            raise optuna.TrialPruned(f"pruned at round {self.offset + result.round}: {self.metric}={value:.4f}")
+            raise optuna.TrialPruned(f"pruned at round {step}: {self.metric}={value:.4f}")
 
 
 @dataclass(frozen=True)
 class StudyScope:
     """Where a search runs beyond its own pipeline (a comparison's tuning): its MLflow run nested under `parent`;
     each trial trained on every one of `seeds` (default: the spec's), its objective their mean, pruned on the first;
+    trial 0 also trained on `noise` (default: the spec's seed and the next) to measure the noise between seeds;
     trial 0 the values `first` (the pipeline as written); the study's user attributes `attrs`; `wait` off: a process
     leaves the trials others are running to them and returns; `report` off: no report.html of the best trials."""
 
     parent: str | None = None
     seeds: tuple[int, ...] = ()
+    noise: tuple[int, ...] = ()
     first: dict[str, Any] | None = None
     attrs: dict[str, str] = field(default_factory=dict)
     wait: bool = True
     report: bool = True
+
+
+@dataclass
+class StudyFacts:
+    """What a study spent and where its choice lies: its tuned dimensions; its finished trials, those beyond an
+    edge among them, those pruned; the rounds the searched stages of every trial trained (a pruned one up to where
+    it stopped, trial 0's noise seed included); the pruner's margin (None: not measured); which rule chose the best
+    trial's values (written, sobol, tpe, edge); the ranges grown beyond an edge (key -> side) and the chosen values
+    still in the outer tenth of their final range (key -> side: flagged)."""
+
+    dimensions: int
+    finished: int
+    beyond_edge: int
+    pruned: int
+    rounds: int
+    margin: float | None
+    chosen_origin: str
+    grown: dict[str, str]
+    at_edge: dict[str, str]
+
+
+def study_facts(space: dict[str, Param], trials: list[optuna.trial.FrozenTrial], attrs: dict[str, Any],
+                maximize: bool) -> StudyFacts:
+    """A study's StudyFacts from its trials and user attributes."""
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]
+    best = max(complete, key=lambda t: t.value if maximize else -t.value, default=None)
+    grown_ranges = attrs.get(EDGES, {})
+    return StudyFacts(len(space), len(finished), sum(t.user_attrs.get(ORIGIN) == BEYOND_EDGE for t in finished),
+                      sum(t.state == TrialState.PRUNED for t in finished),
+                      sum(int(t.user_attrs.get("rounds", 0)) for t in trials), seed_margin(trials),
+                      best.user_attrs.get(ORIGIN, "") if best else "",
+                      {key: grown["side"] for key, grown in grown_ranges.items()},
+                      flags(with_grown(space, grown_ranges), best.params) if best else {})
 
 
 @dataclass
@@ -177,13 +219,18 @@ class Search:
         self.spec, self.search, self.cache_dir, self.echo, self.scope = spec, spec.search, cache_dir, echo, scope
         self.trials = trials or self.search.trials
         self.study_name = study or self.search.study
+        self.seeds = scope.seeds or (spec.seed,)
+        given = scope.noise or self.seeds
+        self.noise = given if len(given) > 1 else (spec.seed, spec.seed + 1 if spec.seed < SEED_MAX else spec.seed - 1)
+        self.design = design_seed(spec, self.seeds)
+        self.startup = startup_count(len(self.search.space), self.trials, scope.first is not None)
         check_database("--storage", storage_url)
         directions = [o.direction for o in self.search.objective]
         with schema_init_lock(storage_url):
             storage = RDBStorage(storage_url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
                                  engine_kwargs=engine_options(storage_url),
                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
-            self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=make_sampler(spec),
+            self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=self._sampler(0),
                                              pruner=make_pruner(spec, self.trials), directions=directions,
                                              load_if_exists=True)
             self.lease = NamedLease(storage_url, self.study_name)
@@ -217,14 +264,17 @@ class Search:
             self.lease.acquire()
             fail_stale_trials(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
             self._close_dead_trials()
-            if self.scope.first is not None and not self.study.get_trials(deepcopy=False):
-                self.study.enqueue_trial(self.scope.first)  # trial 0: what the pipeline gives, under the lease
+            if not self.study.get_trials(deepcopy=False):
+                self._start()  # under the lease: the study's first trials
             trials = self.study.get_trials(deepcopy=False, states=STARTED)
+            if len(trials) >= self.trials and not _busy(trials) and EDGES not in self.study.user_attrs:
+                self._grow_edges()
+                trials = self.study.get_trials(deepcopy=False, states=STARTED)
             waiting = any(t.state == TrialState.WAITING for t in trials)
             if waiting or len(trials) < self.trials:
                 # Seeded by the trial count, which the lease makes unique: a single process is reproducible and
                 # two processes never draw the same point.
-                self.study.sampler = make_sampler(self.spec, len(self.study.get_trials(deepcopy=False)))
+                self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
                 try:
                     self.study.optimize(self._objective, n_trials=1)  # releases the lease once the trial exists
                 except optuna.exceptions.UpdateFinishedTrialError:
@@ -242,13 +292,61 @@ class Search:
             self._log_report()
         return self._result()
 
+    def _sampler(self, offset: int) -> optuna.samplers.BaseSampler:
+        return make_sampler(self.spec, offset, self.design, self.startup + (self.scope.first is not None))
+
+    def _start(self) -> None:
+        """The study's first trials, enqueued: trial 0 (the pipeline as written, where given) and the Sobol points;
+        the first of them also trains the noise seed."""
+        points = [({**self.scope.first}, WRITTEN)] if self.scope.first is not None else []
+        points += [(p, SOBOL) for p in sobol_points(self.search.space, self.startup, self.design)]
+        for i, (values, origin) in enumerate(points):
+            self.study.enqueue_trial(values, user_attrs={ORIGIN: origin, NOISE: i == 0})
+
+    def space(self) -> dict[str, Param]:
+        """The searched space, with the ranges this study grew beyond an edge."""
+        return with_grown(self.search.space, self.study.user_attrs.get(EDGES, {}))
+
+    def _grow_edges(self) -> None:
+        """Once the study's trials are done: each value of the best trial in the outer tenth of a range that can
+        grow (log scale) grows the range beyond that edge, where `edge_trials` further trials go, the other values
+        at the best trial's (recorded in the study's EDGES attribute, decided once)."""
+        complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        grown_ranges: dict[str, dict[str, Any]] = {}
+        if complete and len(self.search.objective) == 1 and self.search.edge_trials:
+            best = self.study.best_trial.params
+            for key, param in self.search.space.items():
+                side = edge_of(param, best[key]) if key in best and extensible(param) else None
+                wider, values = grown(param, side, self.search.edge_trials) if side else (param, [])
+                values = [v for v in values if self._valid(key, v)]
+                if values:
+                    grown_ranges[key] = {"side": side, "low": min(wider.low, *values),
+                                         "high": max(wider.high, *values)}
+                for value in values:
+                    self.study.enqueue_trial({**best, key: value}, user_attrs={ORIGIN: BEYOND_EDGE, NOISE: False})
+        self.study.set_user_attr(EDGES, grown_ranges)
+
+    def _valid(self, key: str, value: Any) -> bool:
+        """Whether a pipeline with `key` at `value` is valid (a range may not grow past what its key allows)."""
+        try:
+            with_values(self.spec.model_copy(update={"search": None}), {key: value})
+        except SpecError:
+            return False
+        return True
+
     def _objective(self, trial: optuna.Trial) -> float | list[float]:
         self.lease.release()
-        values = {key: suggest(trial, key, param) for key, param in self.search.space.items()}
-        seeds = self.scope.seeds or (self.spec.seed,)
-        start = time.perf_counter()
+        values = {key: suggest(trial, key, param) for key, param in self.space().items()}
+        if ORIGIN not in trial.user_attrs:
+            trial.set_user_attr(ORIGIN, TPE if self.search.sampler.kind == "tpe" else self.search.sampler.kind)
+        seeds = self.seeds
+        extra = [s for s in self.noise if s not in seeds] if trial.user_attrs.get(NOISE) else []
+        start, seen = time.perf_counter(), {}
         try:
-            objectives = np.mean([self._trained(trial, values, seed, first=i == 0) for i, seed in enumerate(seeds)], 0)
+            objectives = np.mean([self._trained(trial, values, seed, seen, first=i == 0)
+                                  for i, seed in enumerate(seeds)], 0)
+            for seed in extra:  # the noise seed: its evaluations only, for the pruner's margin
+                self._trained(trial, values, seed, seen, first=False)
         except optuna.TrialPruned:
             self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
             raise
@@ -263,20 +361,28 @@ class Search:
                   + (f" over seeds {list(seeds)}" if len(seeds) > 1 else ""))
         return float(objectives[0]) if len(objectives) == 1 else [float(v) for v in objectives]
 
-    def _trained(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> list[float]:
-        """The objectives of the trial's pipeline trained on `seed` (pruned on the first seed's evaluations)."""
+    def _trained(self, trial: optuna.Trial, values: dict[str, Any], seed: int, seen: dict[int, Evaluations],
+                 first: bool) -> list[float]:
+        """The objectives of the trial's pipeline trained on `seed` (pruned on the first seed's evaluations; each
+        seed's Evaluations kept in `seen` and the trial's CURVES and rounds attributes)."""
         spec = with_values(self.spec, {**values, "seed": seed})
+        evaluations = seen.setdefault(seed, Evaluations())
         runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
-                                extra_callbacks=self._pruning_callbacks(trial) if first else None)
+                                extra_callbacks=self._evaluation_callbacks(trial if first else None, evaluations))
+        noise = seed not in self.seeds
         name = trial_name(self.spec.name, trial.number, values) + ("" if first and not self.scope.seeds else
-                                                                   f" seed {seed}")
+                                                                   f" seed {seed}") + (" (noise)" if noise else "")
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
         try:
             result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
                                                            "fedpilot.study": self.study_name,
-                                                           "fedpilot.seed": str(seed)}, started=started, name=name)
+                                                           "fedpilot.seed": str(seed),
+                                                           **({"fedpilot.noise_seed": "true"} if noise else {})},
+                                started=started, name=name)
         finally:
             self.rounds_trained += runner.rounds_trained
+            trial.set_user_attr("rounds", sum(e.rounds for e in seen.values()))
+            trial.set_user_attr(CURVES, curve_attr({s: e.curve for s, e in seen.items()}))
         return [self._value(result, o) for o in self.search.objective]
 
     def _close_dead_trials(self) -> None:
@@ -287,12 +393,15 @@ class Search:
                 close_orphans(self.tracker.uri, run_id, f"trial {trial.number}'s process died (no heartbeat)")
                 self._closed.add(run_id)
 
-    def _pruning_callbacks(self, trial: optuna.Trial) -> Callable[[int], list[RoundCallback]]:
-        """Per trained stage (given its round offset in the pipeline): the pruning callback, if the objective allows."""
-        metric = self.search.objective[0].metric
+    def _evaluation_callbacks(self, trial: optuna.Trial | None,
+                              seen: Evaluations) -> Callable[[int], list[RoundCallback]]:
+        """Per trained stage (given its round offset in the pipeline): for a searched stage, the callback that
+        keeps its rounds and evaluations in `seen` and, given the `trial`, prunes it, if the objective allows. A stage
+        before the searched ones (shared, and trained only by the first study to need it) reports nothing."""
+        metric, before = self.search.objective[0].metric, searched_rounds(self.spec)[0]
         if len(self.search.objective) > 1 or not metric.startswith("val_"):
             return lambda offset: []
-        return lambda offset: [PruneOnEvaluation(trial, metric, offset)]
+        return lambda offset: [] if offset < before else [PruneOnEvaluation(trial, metric, offset, seen)]
 
     def _value(self, result: Any, objective: Any) -> float:
         names = [s.name for s in self.spec.stages]
@@ -377,6 +486,11 @@ class Search:
             best_values, best_params = list(best.values), dict(best.params)
         return SearchResult(self.study_name, self.run_id, len(finished), pruned, best_values, best_params,
                             self.rounds_trained)
+
+
+def _busy(trials: list[optuna.trial.FrozenTrial]) -> bool:
+    """Whether any of `trials` is running or waiting to run."""
+    return any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
 
 
 def trial_name(pipeline: str, number: int, values: dict[str, Any]) -> str:

@@ -1,5 +1,11 @@
 """A comparison set file and the plan it stands for: every (pipeline, seed) spec as `fedpilot run` would run it,
-and with `tune:` each pipeline's study (its space, objective and tuning seeds), all checked before anything runs."""
+and with `tune:` each pipeline's study (its space, objective and tuning seeds), all checked before anything runs.
+
+A tuned comparison is leak-free by construction: every run of a pipeline, tuning and comparison seeds alike, trains
+on one federation (`tune.splits: fixed`, dataset.seed fixed where the set left it unset) or on federations whose
+test samples are never a tuning seed's train or val samples (`train_val`; `redraw` is checked before any work,
+compare/federation.py); each pipeline is tuned over its algorithms' declared spaces (`auto`) unless the set writes
+one; and a study is shared only by plans that would run the very same trials (`study_name`)."""
 
 from __future__ import annotations
 
@@ -7,34 +13,57 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
 from fedpilot.errors import SpecError, from_validation, within
 from fedpilot.metric_names import OBJECTIVE_METRICS, primary
 from fedpilot.names import check_name
-from fedpilot.schema import Seed, Strict
+from fedpilot.schema import SEED_MAX, Seed, Strict
 from fedpilot.settings import SQL_INT_MAX
-from fedpilot.spec import PipelineSpec, PrunerSpec, SamplerSpec, load_pipeline, read_user_yaml, written_values
+from fedpilot.spec import (
+    Param,
+    PipelineSpec,
+    PrunerSpec,
+    SamplerSpec,
+    load_pipeline,
+    read_user_yaml,
+    with_values,
+    written_values,
+)
 
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
+MAX_EDGE_TRIALS = 20  # further trials a study spends beyond one edge of a range: more would be another search
 TUNED, WRITTEN = "tuned", "written"  # a pipeline run's variant: at its study's choice, or as its file gives it
+FEDERATION_SEED = 0  # the dataset.seed a tuned comparison fixes where the set leaves it unset
 
 
 class TuneSpec(Strict):
     """A set's `tune:` block (`fedpilot compare --tune N` sets `trials`): each pipeline's study of `trials` finished
-    trials, on the validation `objective` (default: the mean over clients of the task's primary metric) of the tuning
-    `seeds` (default: the one seed after the comparison's), with Optuna's `sampler` and `pruner`; `tune_budget`
-    also searches what changes a client's work or model size; `untuned` also runs each pipeline as written on the
-    comparison's seeds (default vs tuned)."""
+    trials (`budget: per_method`; `per_dimension`: `trials` per tuned dimension), on the validation `objective`
+    (default: the mean over clients of the task's primary metric) of the tuning `seeds` (default: the one seed after
+    the comparison's), with Optuna's `sampler` and `pruner`.
+
+    space: per pipeline name, a written space (spec keys -> ranges) instead of its algorithms' declared ones (`auto`);
+    a range that excludes the pipeline's written value is widened to include it (trial 0 is the pipeline as written)
+    unless `widen: false`, which refuses it. tune_budget: also search what changes a client's work or model size.
+    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. splits: `fixed`
+    (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut per seed) or
+    `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning seed's
+    train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs tuned)."""
 
     trials: int = Field(ge=1, le=SQL_INT_MAX)
     objective: str | None = None
     seeds: list[Seed] | None = Field(None, min_length=1, max_length=MAX_SEEDS)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    space: dict[str, dict[str, Param]] | None = None
+    widen: bool = True
     tune_budget: bool = False
+    budget: Literal["per_method", "per_dimension"] = "per_method"
+    edge_trials: int = Field(2, ge=0, le=MAX_EDGE_TRIALS)
+    splits: Literal["fixed", "train_val", "redraw"] = "fixed"
     untuned: bool = False
 
     @field_validator("objective")
@@ -81,6 +110,12 @@ class ComparisonSpec(Strict):
         """The seeds the studies train on: the `tune:` block's, else the one after the comparison's."""
         return self.tune.seeds if self.tune and self.tune.seeds else [max(self.seed_list()) + 1]
 
+    def noise_seeds(self) -> list[int]:
+        """The seeds trial 0 of every study trains on to measure the objective's noise between seeds (what the
+        pruner's margin is made of): the tuning seeds, and with only one, the seed after every seed of the set."""
+        seeds = self.tuning_seeds()
+        return seeds if len(seeds) > 1 else [*seeds, max(seeds + self.seed_list()) + 1]
+
 
 @dataclass
 class Plan:
@@ -91,6 +126,7 @@ class Plan:
     specs: dict[str, dict[int, PipelineSpec]]
     tuning: dict[str, PipelineSpec]
     shared: int  # leading stages every pipeline of the set shares (trained once per seed, never tuned)
+    fixed: list[str]  # the pipelines whose dataset.seed the comparison fixed (the set left it unset)
 
     @property
     def baseline(self) -> str:
@@ -123,7 +159,7 @@ class Plan:
         return written_values(self.tuning[pipeline])
 
     def to_json(self) -> dict[str, Any]:
-        return {"set": self.comparison.model_dump(mode="json"), "shared": self.shared,
+        return {"set": self.comparison.model_dump(mode="json"), "shared": self.shared, "fixed": self.fixed,
                 "specs": {name: {str(seed): spec.resolved() for seed, spec in by_seed.items()}
                           for name, by_seed in self.specs.items()},
                 "tuning": {name: spec.resolved() for name, spec in self.tuning.items()}}
@@ -133,7 +169,8 @@ class Plan:
         return cls(ComparisonSpec.model_validate(data["set"]),
                    {name: {int(seed): PipelineSpec.from_dict(spec) for seed, spec in by_seed.items()}
                     for name, by_seed in data["specs"].items()},
-                   {name: PipelineSpec.from_dict(spec) for name, spec in data["tuning"].items()}, data["shared"])
+                   {name: PipelineSpec.from_dict(spec) for name, spec in data["tuning"].items()}, data["shared"],
+                   data.get("fixed", []))
 
     @property
     def key(self) -> str:
@@ -171,10 +208,11 @@ def load_plan(path: Path, seeds: int | None = None, overrides: list[str] | None 
     specs = _pipeline_specs(path, comparison, overrides or [])
     if comparison.baseline is not None and comparison.baseline not in specs:
         raise SpecError("baseline", comparison.baseline, "not the name of a pipeline of the set", allowed=list(specs))
+    fixed = _fix_federations(comparison, specs) if comparison.tune else []
     first = comparison.seed_list()[0]
     shared = shared_stages([by_seed[first] for by_seed in specs.values()])
     tuning = _tuning_specs(comparison, specs, shared) if comparison.tune else {}
-    return Plan(comparison, specs, tuning, shared)
+    return Plan(comparison, specs, tuning, shared, fixed)
 
 
 def _disjoint(comparison: ComparisonSpec) -> None:
@@ -185,6 +223,26 @@ def _disjoint(comparison: ComparisonSpec) -> None:
     if both:
         raise SpecError("tune.seeds", comparison.tuning_seeds(), f"overlap the comparison's seeds ({both}): a "
                         "configuration is judged on seeds it was not chosen on")
+    if max(comparison.noise_seeds()) > SEED_MAX:
+        key, value = ("tune.seeds", comparison.tune.seeds) if comparison.tune.seeds else ("seeds", comparison.seeds)
+        raise SpecError(key, value, f"leave no seed after them for the noise run of trial 0 (seeds go up to "
+                        f"{SEED_MAX}): use smaller seeds")
+
+
+def _fix_federations(comparison: ComparisonSpec, specs: dict[str, dict[int, PipelineSpec]]) -> list[str]:
+    """The tuned comparison's federation rule applied to every (pipeline, seed) spec in place: `fixed` and
+    `train_val` set dataset.seed where the set left it unset (and `train_val` split.redraw); the pipelines fixed."""
+    splits, fixed = comparison.tune.splits, []
+    for name, by_seed in specs.items():
+        unset = next(iter(by_seed.values())).dataset.seed is None
+        if splits == "redraw" or (not unset and splits == "fixed"):
+            continue
+        values = {"dataset.seed": FEDERATION_SEED} if unset else {}
+        values |= {"dataset.split.redraw": True} if splits == "train_val" else {}
+        for seed, spec in by_seed.items():
+            by_seed[seed] = with_values(spec, values)
+        fixed += [name] if unset else []
+    return fixed
 
 
 def _pipeline_specs(path: Path, comparison: ComparisonSpec, overrides: list[str]) -> dict[str, dict[int, PipelineSpec]]:
@@ -231,38 +289,76 @@ def _stage_identity(spec: PipelineSpec, index: int) -> str:
 
 def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, PipelineSpec]],
                   shared: int) -> dict[str, PipelineSpec]:
-    """Each pipeline's spec at the first tuning seed with its study's `search` block: its own written space, else
-    `space: auto` over the stages after the shared ones; the set's objective, trials, sampler and pruner."""
+    """Each pipeline's spec at the first tuning seed with its study's `search` block: the set's written space for
+    it (tune.space), else `space: auto` over the stages after the shared ones (a pipeline's own `search:` is for
+    `fedpilot search`); the set's objective, trials, sampler and pruner."""
     tune, seed = comparison.tune, comparison.tuning_seeds()[0]
+    unknown = sorted(set(tune.space or {}) - set(specs))
+    if unknown:
+        raise SpecError(f"tune.space.{unknown[0]}", unknown[0], "not the name of a pipeline of the set",
+                        allowed=list(specs))
     tuning = {}
     for i, (name, by_seed) in enumerate(specs.items()):
         written = next(iter(by_seed.values()))
-        own = written.search.space if written.search is not None and not written.search.auto else None
+        space = (tune.space or {}).get(name)
         stages = list(range(shared, len(written.stages)))
-        if own is None and not stages:
+        if space is None and not stages:
             raise SpecError(f"pipelines.{i}", comparison.pipelines[i], f"every stage of {name} is shared with the "
                             "other pipelines: nothing of it to tune")
-        search = {"space": {k: p.model_dump(exclude_none=True) for k, p in own.items()} if own else "auto",
-                  **({} if own else {"stages": stages, "tune_budget": tune.tune_budget}),
-                  "objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": tune.trials,
-                  "sampler": tune.sampler.model_dump(), "pruner": tune.pruner.model_dump()}
-        raw = {**written.resolved(), "seed": seed, "search": search}
-        try:
-            spec = PipelineSpec.from_dict(raw)
-        except SpecError as err:
-            raise SpecError(f"pipelines.{i} ({comparison.pipelines[i]}): {err.key}", err.value, err.problem,
-                            err.allowed) from None
-        spec.search.study = study_name(name, spec)
+        search = {"space": "auto", "stages": stages, "tune_budget": tune.tune_budget} if space is None else {
+            "space": {k: p.model_dump(exclude_none=True) for k, p in space.items()}}
+        search |= {"objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": 1,
+                   "edge_trials": tune.edge_trials, "sampler": tune.sampler.model_dump(),
+                   "pruner": tune.pruner.model_dump()}
+        spec = _tuning_spec({**written.resolved(), "seed": seed, "search": search}, f"pipelines.{i} "
+                            f"({comparison.pipelines[i]})", "" if space is None else f"tune.space.{name}.")
+        if space is not None:
+            spec.search.space = _around_written(spec, tune.widen, f"tune.space.{name}")
+        dimensions = len(spec.search.space)
+        spec.search.trials = tune.trials * (dimensions if tune.budget == "per_dimension" else 1)
+        spec.search.study = study_name(name, spec, comparison.tuning_seeds())
         tuning[name] = spec
     return tuning
 
 
+def _tuning_spec(raw: dict[str, Any], where: str, prefix: str) -> PipelineSpec:
+    """A pipeline's tuning spec, its errors named by where the set gives what failed (`prefix`: a written space's
+    keys are the set's `tune.space.<pipeline>.`, else the pipeline file's)."""
+    try:
+        return PipelineSpec.from_dict(raw)
+    except SpecError as err:
+        key = err.key.replace("search.space.", prefix, 1) if prefix and err.key.startswith("search.space.") else \
+            f"{where}: {err.key}"
+        raise SpecError(key, err.value, err.problem, err.allowed) from None
 
 
-def study_name(pipeline: str, spec: PipelineSpec) -> str:
-    """The study of one pipeline's tuning, named by the pipeline and a hash of what it searches on what (a changed
-    space, objective, pipeline or tuning seed is another study; more trials continue it). Sets that tune the same
-    pipeline the same way share its study."""
+def _around_written(spec: PipelineSpec, widen: bool, key: str) -> dict[str, Param]:
+    """A written space whose every range holds the value the pipeline gives its key (trial 0 is the pipeline as
+    written): widened to it, or with `widen` off refused."""
+    written, space = written_values(spec, inside=False), dict(spec.search.space)
+    for name, param in space.items():
+        value = written.get(name)
+        if value is None or param.type == "categorical" and value in param.choices or \
+                param.type != "categorical" and param.low <= value <= param.high:
+            continue
+        if not widen:
+            raise SpecError(f"{key}.{name}", param.model_dump(exclude_none=True), f"leaves out the pipeline's "
+                            f"value {value!r}, which trial 0 runs: include it, or drop tune.widen: false")
+        space[name] = param.model_copy(update={"choices": [*param.choices, value]} if param.type == "categorical"
+                                       else {"low": min(param.low, value), "high": max(param.high, value)})
+    return space
+
+def study_name(pipeline: str, spec: PipelineSpec, seeds: list[int]) -> str:
+    """The study of one pipeline's tuning, named by the pipeline and a hash of everything that decides its trials:
+    the tuning spec (pipeline, space, objective, budget, sampler, pruner), every tuning seed and the federation's
+    fingerprint (its data, partition and split, and the data code). Two sets share a study only when it would
+    run the very same trials."""
+    from fedpilot.data.federated import fingerprint
+
     what = {k: v for k, v in spec.resolved().items() if k != "tracking"}
-    what["search"] = {k: v for k, v in what["search"].items() if k not in ("trials", "study")}
+    what["search"] = {k: v for k, v in what["search"].items() if k != "study"}
+    redrawn = spec.dataset.split.redraw or spec.dataset.seed is None  # a seed's own train/val, or federation
+    what |= {"seeds": seeds, "federations": [fingerprint(spec.dataset, spec.dataset.seed if spec.dataset.seed is not
+                                                         None else seed, seed if spec.dataset.split.redraw else None)
+                                             for seed in (seeds if redrawn else seeds[:1])]}
     return check_name("study", f"{pipeline[:100]}.tune.{_digest(what, 8)}")

@@ -7,7 +7,7 @@ the report."""
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, federation_note, participating, seed_counts
+from fedpilot.compare.federation import federation_line, recorded_fingerprints
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.compare.stats import StudySummary, resolution, summarize
 from fedpilot.compare.table import format_counts, format_resolution, format_table, format_tuning
@@ -111,15 +112,19 @@ def assemble(plan: Plan, run_id: str, tracker: Tracker, work: Work) -> Compariso
                                   for n, by_seed in plan.specs.items()})
     resolved = resolution(summary, baseline, main.test_sizes, metric)
     studies = {p: work.summary(p) for p in plan.tuning}
+    facts = {p: asdict(work.facts(p)) for p in plan.tuning}
     parts = [format_table(summary, baseline, seeds, metric, untuned, tuned=bool(plan.tuning)),
              format_resolution(resolved, seeds, metric), format_counts(counts, baseline, seeds, metric)]
     if studies:
         parts.append(format_tuning(studies, plan.tuning[baseline].search.objective[0].metric,
-                                   plan.comparison.tuning_seeds()))
+                                   plan.comparison.tuning_seeds(), facts))
+    federation = " ".join(filter(None, [federation_line(plan), federation]))
     parts += [_diverged_note(main.diverged), textwrap.fill(federation, 118),
               *([] if plan.comparison.baseline else [f"the baseline is {baseline}, the set's first pipeline"])]
     table = "\n\n".join(p for p in parts if p)
-    record(tracker, run_id, plan, main, summary, changes, counts, resolved, studies, untuned, federation, table)
+    fingerprints = recorded_fingerprints(tracker.client, tracker.experiment_id, plan, list(done.values()))
+    record(tracker, run_id, plan, main, summary, changes, counts, resolved, studies, untuned, federation, table,
+           {"study_facts": facts, "federations": fingerprints})
     tracker.finish(run_id)
     return ComparisonResult(run_id, table, main.scores, main.runs, counts, tracker.uri, tracker.experiment_id)
 
@@ -134,7 +139,7 @@ def _diverged_note(diverged: list[Unit]) -> str:
 
 def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, summary: dict, changes: Any,
            counts: dict, resolved: dict, studies: dict[str, StudySummary], untuned: dict | None, federation: str,
-           table: str) -> None:
+           table: str, extra: dict[str, Any]) -> None:
     """What the comparison's run keeps of its outcome (the module's docstring lists it)."""
     metrics = {f"{name}.{key}": value for name, row in summary.items() for key, value in row.items()}
     metrics |= {f"{name}/clients_{key}": n for name, row in counts.items() for key, n in row.items()}
@@ -157,6 +162,6 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, summary: d
         "diverged": [u.name for u in main.diverged], "untuned": untuned,
         "tuning": {name: study.to_json() for name, study in studies.items()},
         "tuning_seeds": plan.comparison.tuning_seeds() if plan.tuning else [],
-        "objective": next(iter(plan.tuning.values())).search.objective[0].metric if plan.tuning else None},
-        "comparison.json")
+        "objective": next(iter(plan.tuning.values())).search.objective[0].metric if plan.tuning else None,
+        **extra}, "comparison.json")
     log_report(tracker.client, run_id)

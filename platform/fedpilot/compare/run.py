@@ -8,25 +8,30 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from fedpilot.compare.federation import build_all, check_disjoint, fingerprints
 from fedpilot.compare.plan import Plan
 from fedpilot.compare.record import ComparisonResult, assemble
 from fedpilot.compare.work import POLL_SECONDS, Work, find_run, start_run
+from fedpilot.data.federated import FederatedData, staging
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.checks import prepare
 from fedpilot.settings import check_tracking, tracking_uri
+from fedpilot.spec import PipelineSpec
 from fedpilot.tracking import Tracker
 
 
-def prepare_plan(plan: Plan, cache_dir: Path) -> None:
-    """Every check `fedpilot run` makes, of every (pipeline, seed) and every tuning seed (datasets built into the
-    cache), before anything is recorded."""
-    for by_seed in plan.specs.values():
-        for spec in by_seed.values():
-            check_tracking(spec.tracking.uri)
-            prepare(spec, cache_dir)
-    for spec in plan.tuning.values():
-        for seed in plan.comparison.tuning_seeds():
-            prepare(spec.model_copy(update={"seed": seed}), cache_dir)
+def prepare_plan(plan: Plan, cache_dir: Path) -> dict[str, dict[str, str]]:
+    """Every check `fedpilot run` makes, of every (pipeline, seed) and every seed a study trains (datasets built into
+    the cache), and with tuning that no comparison seed's test samples were a tuning seed's train or val samples,
+    before anything is recorded; the federations' fingerprints by pipeline and seed."""
+    def checked(spec: PipelineSpec) -> FederatedData:
+        check_tracking(spec.tracking.uri)
+        return prepare(spec, cache_dir).data
+
+    with staging():  # new datasets become cache entries only once every check, the federations' too, passed
+        built = build_all(plan, cache_dir, checked)
+        check_disjoint(plan, built)
+        return fingerprints(plan, built)
 
 
 def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str]:

@@ -90,22 +90,34 @@ def format_counts(counts: dict[str, dict[str, int]], baseline: str, seeds: int, 
     return "\n".join([head, *text(counts_rows(counts))])
 
 
-def tuning_rows(studies: dict[str, StudySummary], objective: str) -> Rows:
-    """Per pipeline's study: trials (pruned), the chosen configuration's objective, the objective's p10 / p50 / p90
-    over completed trials, whether it still improved in the last quarter of trials, and the chosen values."""
-    rows = [["pipeline", "trials (pruned)", f"best {objective}", "p10", "p50", "p90", "improving late", "chosen"]]
+def tuning_rows(studies: dict[str, StudySummary], objective: str,
+                facts: dict[str, dict[str, Any]] | None = None) -> Rows:
+    """Per pipeline's study: its tuned dimensions and budget (trials finished, of which beyond an edge and pruned,
+    the rounds they trained), the chosen configuration's objective and which rule chose it, the objective's p10 /
+    p50 / p90 over completed trials, whether it still improved in the last quarter of trials, and the chosen values
+    (flagged where still in the outer tenth of their range)."""
+    rows = [["pipeline", "dims", "trials (edge, pruned)", "rounds", f"best {objective}", "chosen by", "p10", "p50",
+             "p90", "improving late", "chosen"]]
     for name, study in studies.items():
-        chosen = ", ".join(f"{_short(k)}={_value(v)}" for k, v in study.chosen.items()) or "none completed: as written"
-        rows.append([name, f"{study.trials} ({study.pruned})", _number(study.best), _number(study.p10),
+        fact = (facts or {}).get(name)
+        edges = fact["at_edge"] if fact else {}
+        chosen = ", ".join(f"{_short(k)}={_value(v)}" + (f" [{edges[k]} edge]" if k in edges else "")
+                           for k, v in study.chosen.items()) or "none completed: as written"
+        budget = [str(fact["dimensions"]), f"{fact['finished']} ({fact['beyond_edge']}, {fact['pruned']})",
+                  f"{fact['rounds']:,}"] if fact else ["", f"{study.trials} (, {study.pruned})", ""]
+        rows.append([name, *budget, _number(study.best), fact["chosen_origin"] if fact else "", _number(study.p10),
                      _number(study.p50), _number(study.p90), "yes" if study.improving_late else "no", chosen])
     return rows
 
 
-def format_tuning(studies: dict[str, StudySummary], objective: str, seeds: list[int]) -> str:
-    """What each pipeline's study chose, and how much its result depends on its settings."""
-    head = (f"tuning: one study per pipeline on the validation {objective} of seed(s) {seeds}, trial 0 as written; "
+def format_tuning(studies: dict[str, StudySummary], objective: str, seeds: list[int],
+                  facts: dict[str, dict[str, Any]] | None = None) -> str:
+    """What each pipeline's study chose, what it spent, and how much its result depends on its settings."""
+    head = (f"tuning: one study per pipeline on the validation {objective} of seed(s) {seeds}: trial 0 as written, "
+            "then Sobol points, then TPE; a best value in the outer tenth of a range grew the range and spent "
+            "further trials beyond its edge ('edge'); a chosen value still there is flagged [low/high edge]; "
             "improving late: its best still rose in the last quarter of trials (more trials may help)")
-    return "\n".join([textwrap.fill(head, 118), *text(tuning_rows(studies, objective))])
+    return "\n".join([textwrap.fill(head, 118), *text(tuning_rows(studies, objective, facts))])
 
 
 def _short(key: str) -> str:

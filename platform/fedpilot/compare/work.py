@@ -27,6 +27,7 @@ from fedpilot.errors import NoSuchRun, StageFailed
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.signals import Stopped, stop_asked, stop_on_signals
+from fedpilot.studies.edges import EDGES
 from fedpilot.tracking import (
     COMPARE_TAG,
     PIPELINE_TAG,
@@ -35,7 +36,7 @@ from fedpilot.tracking import (
     close_orphans,
     schema_init_lock,
 )
-from fedpilot.tuning import Search, StudyScope
+from fedpilot.tuning import Search, StudyFacts, StudyScope, study_facts
 
 COMPARE_RUN_TAG = "fedpilot.compare_run"  # a comparison's pipeline run: the comparison's run id
 VARIANT_TAG = "fedpilot.compare_variant"  # tuned | written
@@ -161,42 +162,62 @@ class Work:
                 time.sleep(POLL_SECONDS)
 
     # ---- the studies ---------------------------------------------------------------------------------------
+    def _study(self, pipeline: str) -> optuna.Study | None:
+        """The pipeline's study (None before its first trial)."""
+        try:
+            return optuna.load_study(study_name=self.plan.tuning[pipeline].search.study, storage=self.storage)
+        except KeyError:
+            return None
+
     def _trials(self, pipeline: str) -> list[optuna.trial.FrozenTrial]:
         """The pipeline's study's trials in number order (none before its first)."""
-        try:
-            study = optuna.load_study(study_name=self.plan.tuning[pipeline].search.study, storage=self.storage)
-        except KeyError:
-            return []
-        return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+        study = self._study(pipeline)
+        return [] if study is None else sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
 
     def studied(self, pipeline: str) -> bool:
-        """Whether the pipeline's study has its N finished trials."""
-        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED]
-        return len(finished) >= self.plan.comparison.tune.trials
+        """Whether the pipeline's study is done: its N finished trials, its edges decided and their trials finished."""
+        study = self._study(pipeline)
+        if study is None or EDGES not in study.user_attrs:
+            return False
+        trials = study.get_trials(deepcopy=False)
+        finished = [t for t in trials if t.state.name in FINISHED]
+        busy = any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
+        return len(finished) >= self.plan.tuning[pipeline].search.trials and not busy
 
     def _tune(self, pipeline: str) -> bool:
         """Run the trials of the pipeline's study that are left to start (none while other processes' are running);
         whether it started any."""
-        trials = self._trials(pipeline)
+        study = self._study(pipeline)
+        trials = [] if study is None else study.get_trials(deepcopy=False)
         started = [t for t in trials if t.state != TrialState.FAIL]
-        if len(started) >= self.plan.comparison.tune.trials and not any(t.state == TrialState.WAITING for t in trials):
+        decided = study is not None and EDGES in study.user_attrs
+        if len(started) >= self.plan.tuning[pipeline].search.trials and decided and \
+                not any(t.state == TrialState.WAITING for t in trials):
             return False
         spec = self.plan.tuning[pipeline]
         scope = StudyScope(parent=self.run_id, seeds=tuple(self.plan.comparison.tuning_seeds()),
+                           noise=tuple(self.plan.comparison.noise_seeds()),
                            first=self.plan.first_trial(pipeline), wait=False, report=False,
                            attrs={"mlflow_comparison_run": self.run_id, "comparison": self.plan.comparison.name,
                                   "pipeline": pipeline, "tracking_uri": self.tracker.uri})
         self.echo(f"tuning {pipeline}: study {spec.search.study}, space {', '.join(spec.search.space)}")
-        Search(spec, self.storage_url, self.plan.comparison.tune.trials, spec.search.study, self.cache_dir,
+        Search(spec, self.storage_url, spec.search.trials, spec.search.study, self.cache_dir,
                self.heartbeat, self.echo, scope).run()
         return True
 
     def summary(self, pipeline: str) -> StudySummary:
-        """The pipeline's study over its first N finished trials (its objective's direction from the spec)."""
+        """The pipeline's study over its finished trials, in number order: the N it was asked for and those beyond
+        an edge (its objective's direction from the spec)."""
         spec = self.plan.tuning[pipeline]
-        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED][:self.plan.comparison.tune.trials]
+        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED]
         pairs = [(t.value if t.state == TrialState.COMPLETE else None, dict(t.params)) for t in finished]
         return study_summary(spec.search.study, pairs, spec.search.objective[0].direction == "maximize")
+
+    def facts(self, pipeline: str) -> StudyFacts:
+        """What the pipeline's study spent and where its choice lies (study_facts)."""
+        spec, study = self.plan.tuning[pipeline], self._study(pipeline)
+        return study_facts(spec.search.space, study.get_trials(deepcopy=False), study.user_attrs,
+                           spec.search.objective[0].direction == "maximize")
 
     # ---- the runs ------------------------------------------------------------------------------------------
     def _run(self, unit: Unit) -> bool:

@@ -210,7 +210,7 @@ def staging() -> Iterator[dict[Path, Staged]]:
     try:
         yield staged
     except BaseException:
-        for entry in staged.values():
+        for entry in reversed(staged.values()):  # the newest first: an older one's folders are then empty
             entry.discard()
         raise
     finally:

@@ -159,7 +159,7 @@ def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
     if not tuning:
         return None
     studies = {name: StudySummary(**study) for name, study in tuning.items()}
-    return frame(tuning_rows(studies, record.get("objective") or "objective"))
+    return frame(tuning_rows(studies, record.get("objective") or "objective", record.get("study_facts")))
 
 
 def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:

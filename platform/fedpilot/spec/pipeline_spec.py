@@ -313,9 +313,10 @@ def auto_space(spec: PipelineSpec) -> dict[str, Param]:
     return space
 
 
-def written_values(spec: PipelineSpec) -> dict[str, Any]:
+def written_values(spec: PipelineSpec, inside: bool = True) -> dict[str, Any]:
     """The value the pipeline gives each key of its search space (a null one: the value its algorithm's declared
-    fallback gives, as the stage uses it), where it lies in the space: what trial 0 of a comparison's study runs."""
+    fallback gives, as the stage uses it), where it lies in the space (`inside`; else every one found): what trial 0
+    of a comparison's study runs."""
     from fedpilot.algorithms import ALGORITHMS
 
     config, values = OmegaConf.create(spec.resolved()), {}
@@ -326,9 +327,9 @@ def written_values(spec: PipelineSpec) -> dict[str, Any]:
             declared = ALGORITHMS[spec.stages[int(parts[1])].algorithm].tunable.get(".".join(parts[2:]))
             if declared is not None and declared.fallback:
                 value = OmegaConf.select(config, f"stages.{parts[1]}.{declared.fallback}")
-        inside = value in param.choices if param.type == "categorical" else (
+        within = value in param.choices if param.type == "categorical" else (
             isinstance(value, int | float) and not isinstance(value, bool) and param.low <= value <= param.high)
-        if inside:
+        if value is not None and (within or not inside):
             values[key] = value
     return values
 

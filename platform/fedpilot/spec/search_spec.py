@@ -109,6 +109,7 @@ class SearchSpec(Strict):
     objective: list[Objective] = Field(min_length=1)
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
+    edge_trials: int = Field(0, ge=0, le=20)  # further trials beyond an edge the best value lies near (tuning.py)
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 

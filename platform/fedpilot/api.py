@@ -6,8 +6,8 @@ public test helpers).
 - an algorithm: `Algorithm` (with its `Params`, an `AlgorithmParams` or `StatefulParams`, as `self.params`), which
   sees a `Cohort` (whose `sgd` returns a `Local`), returns an `Upload`, and may bring its own server side
   (`Aggregator`, `ReducibleAggregator` or `WeightedMean`, told the round by `RoundInfo`); it declares what is
-  worth tuning in `tunable` (`Tunable` ranges by stage key; `step_size()` for a step size), which `space: auto`
-  searches;
+  worth tuning in `tunable` (`Tunable` ranges by stage key with their `source`; `step_size()`, a decade around the
+  pipeline's value, where no paper gives a range), which `space: auto` searches;
 - the shapes a `Cohort` deals in: the engine hands an algorithm a round's cohort chunk by chunk. Everything per
   client is per client of the chunk, [K, ...] in the order of `cohort.clients` (`personal`, `constants`, `state`,
   `weights`, what `sgd` and `gradient` return, an `Upload`'s tensors), except a per-client `steps` tensor for `sgd`

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, step_size
+from fedpilot.algorithms.ranges import PERSONALIZED_CLIENT_LR
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -38,7 +40,8 @@ class FedAlt(Algorithm):
 
     name = "fedalt"
     Params = FedAltParams
-    tunable = {"params.lr_u": step_size("local.lr"), "params.lr_v": step_size("local.lr")}
+    tunable = {"params.lr_u": replace(PERSONALIZED_CLIENT_LR, fallback="local.lr"),
+               "params.lr_v": replace(PERSONALIZED_CLIENT_LR, fallback="local.lr")}
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

@@ -13,6 +13,11 @@ the server averages the base layers weighted by N_i (FedAvg's rule, as in the Fe
 from __future__ import annotations
 
 from fedpilot.algorithms.fedsim import FedSim, FedSimParams
+from fedpilot.api import Tunable
+
+CLIENT_LR = Tunable(1e-4, 10.0, fallback="local.lr", source=(
+    "Nikoloutsopoulos et al. 2022 (PFLEGO), Sec. 5.1: FedPer at client lr 0.001 (CIFAR-10); Pillutla et al., ICML "
+    "2022, Table 9: 1e-3 to 1e-1 for the same update (FedSim's); fedpilot: widened to 1e-4 and 10"))
 
 
 class FedPerParams(FedSimParams):
@@ -25,3 +30,4 @@ class FedPer(FedSim):
 
     name = "fedper"
     Params = FedPerParams
+    tunable = {"params.lr_u": CLIENT_LR, "params.lr_v": CLIENT_LR}

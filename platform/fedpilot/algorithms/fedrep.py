@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Tunable, Upload, step_size
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Tunable, Upload
+
+CLIENT_LR = Tunable(1e-4, 10.0, fallback="local.lr", source=(
+    "Chen et al., ICML 2023, App. H: FedRep's personal lr on {0.005, 0.01, 0.05, 0.1, 0.5}; Nikoloutsopoulos et al. "
+    "2022 (PFLEGO), Sec. 5.1: FedRep at 0.001; fedpilot: widened to 1e-4 and 10"))
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -39,8 +43,10 @@ class FedRep(Algorithm):
 
     name = "fedrep"
     Params = FedRepParams
-    tunable = {"params.lr_head": step_size("local.lr"), "params.lr_body": step_size("local.lr"),
-               "params.head_epochs": Tunable(1.0, 20.0, budget=True)}
+    tunable = {"params.lr_head": CLIENT_LR, "params.lr_body": CLIENT_LR,
+               "params.head_epochs": Tunable(0.2, 20.0, budget=True, source=(
+                   "Collins et al., ICML 2021 (FedRep), its experiments as recalled: 10 head epochs a round; "
+                   "fedpilot: down to 0.2 for the matched budget's 0.5"))}
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload, step_size
+from fedpilot.algorithms.fedalt import FedAlt
+from fedpilot.api import PERSONAL_AND_SHARED, Algorithm, StatefulParams, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -29,7 +30,7 @@ class FedSim(Algorithm):
 
     name = "fedsim"
     Params = FedSimParams
-    tunable = {"params.lr_u": step_size("local.lr"), "params.lr_v": step_size("local.lr")}
+    tunable = FedAlt.tunable  # the same step sizes in the same paper's pipeline
     needs = PERSONAL_AND_SHARED
 
     def local_update(self, cohort: Cohort) -> Upload:

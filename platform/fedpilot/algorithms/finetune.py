@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Tunable, Upload, step_size
+from fedpilot.api import Algorithm, AlgorithmParams, Tunable, Upload
 
 if TYPE_CHECKING:
     from fedpilot.api import Cohort
@@ -30,7 +30,13 @@ class Finetune(Algorithm):
 
     name = "finetune"
     Params = FinetuneParams
-    tunable = {"local.lr": step_size(), "params.prox": Tunable(choices=(0.0, 1e-3, 1e-2, 1e-1, 1.0))}
+    tunable = {"local.lr": Tunable(1e-4, 10.0, source=(
+                   "Pillutla et al., ICML 2022, Table 9: fine-tuning lr 1e-4 to 1e-1 (step c); Chen et al., ICML "
+                   "2023, App. H: FedAvg-FT on the grid 0.005-0.5; fedpilot: up to 10 for clipped steps (Shakespeare's "
+                   "0.5)")),
+               "params.prox": Tunable(choices=(0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0), source=(
+                   "Pillutla et al., ICML 2022, App. B.3: Ditto's lambda on {1e-4, ..., 1} (Ditto-as-fine-tuning); "
+                   "fedpilot: 0, plain fine-tuning"))}
     visits_each_client_once = True
 
     @property

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedpilot.algorithms.ranges import PFEDGATE_GRID_LR
 from fedpilot.algorithms.resources import Levels
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload, step_size
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Upload
 
 # (module name, out units, in units, inputs per in unit, outputs are hidden, inputs are hidden, kernel size)
 Layer = tuple[str, int, int, int, bool, bool, tuple[int, ...]]
@@ -149,7 +150,7 @@ class HeteroFL(Algorithm):
 
     name = "heterofl"
     Params = HeteroFLParams
-    tunable = {"local.lr": step_size()}
+    tunable = {"local.lr": PFEDGATE_GRID_LR}  # HeteroFL: a pFedGate baseline; its width rates stay as written
     constants = frozenset({"width.rate"})
 
     @property

@@ -12,9 +12,13 @@ global; with the zoo's `body -> head` models that is the head); the server avera
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fedpilot.algorithms.fedsim import FedSim, FedSimParams
+from fedpilot.algorithms.ranges import PFEDGATE_GRID_LR
+
+CLIENT_LR = replace(PFEDGATE_GRID_LR, fallback="local.lr")  # LG-FedAvg is a baseline of pFedGate
 
 
 class LGFedAvgParams(FedSimParams):
@@ -27,6 +31,7 @@ class LGFedAvg(FedSim):
 
     name = "lg_fedavg"
     Params = LGFedAvgParams
+    tunable = {"params.lr_u": CLIENT_LR, "params.lr_v": CLIENT_LR}
 
     @property
     def personal_part(self) -> Any:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload, step_size
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Tunable, Upload
 
 
 class PerFedAvgParams(AlgorithmParams):
@@ -38,7 +38,12 @@ class PerFedAvg(Algorithm):
 
     name = "perfedavg"
     Params = PerFedAvgParams
-    tunable = {"local.lr": step_size(), "params.alpha": step_size()}
+    tunable = {"local.lr": Tunable(1e-4, 1.0, source=(  # beta, the meta-step
+                   "Dinh et al., NeurIPS 2020: their code runs Per-FedAvg at beta 0.001 (MNIST); Chen et al., NeurIPS "
+                   "2022 (Self-FL), Sec. 4.2: its baselines at lr 0.01-0.03; fedpilot: 1e-4 to 1")),
+               "params.alpha": Tunable(1e-4, 1.0, source=(
+                   "Dinh et al., NeurIPS 2020: their code runs Per-FedAvg at alpha 0.005 (MNIST); fedpilot: 1e-4 to 1, "
+                   "holding our pipelines' 0.05"))}
 
     @property
     def personal_part(self) -> str:

@@ -53,8 +53,9 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.func import functional_call, vmap
 
+from fedpilot.algorithms.ranges import PFEDGATE_GRID_LR
 from fedpilot.algorithms.resources import Levels
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Tunable, Upload, step_size
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, SpecError, Tensors, Tunable, Upload
 
 EXACT_MAX_FREE_BLOCKS = 16  # 2^16 subsets: `auto` solves the knapsack exactly up to here
 
@@ -191,8 +192,12 @@ class PFedGate(Algorithm):
 
     name = "pfedgate"
     Params = PFedGateParams
-    tunable = {"local.lr": step_size(), "params.lr_gate": step_size("local.lr"),
-               "params.s": Tunable(0.1, 1.0, log=False, budget=True)}
+    tunable = {"local.lr": PFEDGATE_GRID_LR,
+               "params.lr_gate": Tunable(1e-3, 10.0, fallback="local.lr", source=(
+                   "Chen et al., ICML 2023, App. H: the gating layer's lr on the grid 0.01-1.5 (Table 7: 0.05-1.5); "
+                   "fedpilot: widened to 1e-3 and 10")),
+               "params.s": Tunable(0.1, 1.0, log=False, budget=True, source=(
+                   "Chen et al., ICML 2023, Sec. 7.6 and Table 10: s from 1 down to 0.1"))}
     constants = frozenset({"gate.budget"})
 
     @property

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Tunable, Upload, step_size
+from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Tunable, Upload
 
 
 class PFedMeParams(AlgorithmParams):
@@ -43,8 +43,16 @@ class PFedMe(Algorithm):
 
     name = "pfedme"
     Params = PFedMeParams
-    tunable = {"local.lr": step_size(), "params.lr_personal": step_size("local.lr"),
-               "params.lam": Tunable(1e-2, 100.0)}  # pFedMe: 15 on MNIST; Pillutla et al.: 0.1
+    tunable = {"local.lr": Tunable(1e-3, 10.0, source=(
+                   "Dinh et al., NeurIPS 2020: eta 0.005 (their code's MNIST runs); Pillutla et al., ICML 2022, Table "
+                   "9: client lr 1e-3 to 1e-1 (step b); fedpilot: up to 10 (eta times lam is the step of w)")),
+               "params.lr_personal": Tunable(1e-3, 10.0, fallback="local.lr", source=(
+                   "Dinh et al., NeurIPS 2020: personal lr 0.1 and 0.09 (their code's MNIST runs); fedpilot: 1e-3 to "
+                   "10, holding our pipelines' 0.05 and 1 and the former studies' 0.0056 and 0.11 inside")),
+               "params.lam": Tunable(1e-4, 100.0, source=(
+                   "Dinh et al., NeurIPS 2020: 15 (MNIST); Pillutla et al., ICML 2022, App. B.3: {1e-4, ..., 1}, "
+                   "chosen 1e-4 and 1e-1; Chen et al., ICML 2023, App. H: {1e-4, ..., 10}; fedpilot: up to 100, so "
+                   "that 15 is no edge"))}
     personal_copy = True
 
     @property

@@ -94,10 +94,12 @@ class StatefulParams(AlgorithmParams):
 class Tunable:
     """A hyperparameter an algorithm declares tunable, with its default search range (a search's `space: auto`).
 
-    The range is absolute, `low` to `high`; or relative, `around=f`: [v / f, v * f] around the value v the pipeline
-    gives the key (or, where that is null, the value of the stage key `fallback`: a personal lr that defaults to
-    `local.lr`); or `choices`. `log`: searched on a log scale. `integer`: a whole number. `budget`: it changes what a
-    client spends (its local steps, its model's size), which a matched-budget comparison keeps as written.
+    The range is absolute, `low` to `high` (the built-in algorithms' ranges, from the literature); or relative,
+    `around=f`: [v / f, v * f] around the value v the pipeline gives the key (or, where that is null, the value of the
+    stage key `fallback`: a personal lr that defaults to `local.lr`); or `choices`. `log`: searched on a log scale.
+    `integer`: a whole number. `budget`: it changes what a client spends (its local steps, its model's size), which a
+    matched-budget comparison keeps as written. `source`: where the range comes from (authors, venue, section or
+    table; "fedpilot: <why>" for what no paper gives), shown in docs/algorithms.md's table.
     """
 
     low: float | None = None
@@ -108,6 +110,7 @@ class Tunable:
     choices: tuple[Any, ...] | None = None
     fallback: str | None = None
     budget: bool = False
+    source: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [self.low is not None or self.high is not None, self.around is not None, self.choices is not None]
@@ -121,6 +124,8 @@ class Tunable:
             raise ValueError(f"`around` is a factor > 1 (around={self.around})")
         if kinds[2] and not self.choices:
             raise ValueError("`choices` needs at least one value")
+        if self.source is not None and not (isinstance(self.source, str) and self.source.strip()):
+            raise ValueError(f"`source` names where the range comes from, or is None (source={self.source!r})")
 
     def dimension(self, value: Any) -> dict[str, Any]:
         """The search dimension (a search space's `Param` fields) for a stage whose key holds `value` (its
@@ -136,10 +141,29 @@ class Tunable:
         return {"type": "int" if self.integer else "float", "low": low, "high": high,
                 "log": self.log and low > 0}
 
+    def describe(self) -> str:
+        """The range in words, as docs/algorithms.md's table gives it: "0.001 to 100", "one of 0, 0.1", "the pipeline's
+        value ÷/× 10"."""
+        if self.choices is not None:
+            return "one of " + ", ".join(f"{c:g}" if isinstance(c, float) else str(c) for c in self.choices)
+        if self.around is not None:
+            return f"the pipeline's value ÷/× {self.around:g}"
+        return f"{self.low:g} to {self.high:g}"
+
+    @property
+    def scale(self) -> str:
+        """How the range is searched: categorical, log or linear (integer where whole numbers)."""
+        if self.choices is not None:
+            return "categorical"
+        return ("log" if self.log else "linear") + (", integer" if self.integer else "")
+
 
 def step_size(fallback: str | None = None) -> Tunable:
-    """A step size: a decade either side of the pipeline's value (of `fallback`'s where null), on a log scale."""
-    return Tunable(around=10, fallback=fallback)
+    """A step size a decade either side of the pipeline's value (of `fallback`'s where null), on a log scale: a
+    plugin's default where no paper gives a range. The built-in algorithms declare absolute ranges from the
+    literature instead (`Tunable(low, high, source=...)`), so that a search is not centred on a hand-set value."""
+    return Tunable(around=10, fallback=fallback, source="fedpilot: a decade either side of the pipeline's value, "
+                   "no range from the literature")
 
 
 Part = Literal["personal", "shared"]

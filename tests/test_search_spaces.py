@@ -13,6 +13,7 @@ import pytest
 
 from fedpilot.spec import load_pipeline
 from pipeline_fixtures import cli
+from tuning_fixtures import one_stage_after_pretraining
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = {  # pipeline -> the keys its search block tunes
@@ -46,17 +47,6 @@ def test_a_shipped_space_is_searched_through_its_pipeline(name, workdir):
     assert trials[0].params != trials[1].params
 
 
-def _one_stage_after_pretraining(algorithm: str) -> dict:
-    """The quickstart composed, its stage 1 running `algorithm` with its defaults, searched with `space: auto`."""
-    from fedpilot.spec.compose import compose_pipeline
-
-    raw = compose_pipeline(ROOT / "pipelines" / "quickstart.yaml", [])
-    raw["stages"] = [raw["stages"][0], {"name": "tuned", "algorithm": algorithm, "rounds": 2,
-                                        "local": {"lr": 0.04}}]
-    raw["search"] = {"space": "auto", "stages": ["tuned"], "objective": "val_acc_mean"}
-    return raw
-
-
 def test_space_auto_covers_every_builtin_algorithm():
     """Every built-in algorithm declares a valid tunable space; `space: auto` on its stage searches exactly the
     declared keys that are not budgets, each range containing the pipeline's value (relative ones centered on it)."""
@@ -66,7 +56,7 @@ def test_space_auto_covers_every_builtin_algorithm():
     for name in ALGORITHMS.builtins:
         algorithm = ALGORITHMS[name]
         assert algorithm.tunable and tunable_problem(algorithm) is None, name
-        spec = PipelineSpec.from_dict(_one_stage_after_pretraining(name))
+        spec = PipelineSpec.from_dict(one_stage_after_pretraining(name))
         declared = {f"stages.1.{k}" for k, t in algorithm.tunable.items() if not t.budget}
         assert set(spec.search.space) == declared, name
         values = spec.resolved()["stages"][1]
@@ -87,7 +77,7 @@ def test_space_auto_covers_every_builtin_algorithm():
 def test_space_auto_leaves_budgets_unless_asked_and_a_written_space_wins():
     from fedpilot.spec import PipelineSpec
 
-    raw = _one_stage_after_pretraining("selffl")
+    raw = one_stage_after_pretraining("selffl")
     assert set(PipelineSpec.from_dict(raw).search.space) == {"stages.1.local.lr"}
     raw["search"]["tune_budget"] = True
     space = PipelineSpec.from_dict(raw).search.space
@@ -109,7 +99,7 @@ def test_space_auto_refusals_name_the_key(search, message):
     from fedpilot.errors import SpecError
     from fedpilot.spec import PipelineSpec
 
-    raw = _one_stage_after_pretraining("fedavg")
+    raw = one_stage_after_pretraining("fedavg")
     raw["search"] = {**search, "objective": "val_acc_mean"}
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("{", r"\{").replace("}", r"\}")):
         PipelineSpec.from_dict(raw)
@@ -122,7 +112,7 @@ def test_an_algorithm_declaring_nothing_tunable_is_refused_by_space_auto(monkeyp
 
     monkeypatch.setattr(ALGORITHMS["fedavg"], "tunable", {})
     with pytest.raises(SpecError, match="stages.1.algorithm='fedavg': declares nothing tunable"):
-        PipelineSpec.from_dict(_one_stage_after_pretraining("fedavg"))
+        PipelineSpec.from_dict(one_stage_after_pretraining("fedavg"))
 
 
 # ---- the declared ranges (issue 50) -------------------------------------------------------------------------------
@@ -293,7 +283,7 @@ def test_trial_0_is_each_builtin_pipeline_as_written(builtin_pipelines):
 def test_a_written_value_outside_a_declared_range_widens_it_and_trial_0_keeps_it():
     from fedpilot.spec import PipelineSpec, written_values
 
-    raw = _one_stage_after_pretraining("fedprox")
+    raw = one_stage_after_pretraining("fedprox")
     raw["stages"][1]["local"]["lr"] = 50.0
     raw["stages"][1]["params"] = {"mu": 1e-6}
     spec = PipelineSpec.from_dict(raw)

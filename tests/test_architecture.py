@@ -46,6 +46,7 @@ IMPORT_RULES = [  # (whose imports, what they may import besides their own packa
     ("fedpilot.models", ("fedpilot.errors", "fedpilot.registry")),
     ("fedpilot.compare.stats", ()),
     ("fedpilot.compare.table", ("fedpilot.compare.stats", "fedpilot.metric_names", "fedpilot.overview")),
+    ("fedpilot.stats", ("fedpilot.metric_names",)),
 ]
 
 

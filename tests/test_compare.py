@@ -17,11 +17,14 @@ from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
 from fedpilot.report import REPORT_ARTIFACT, build
+from fedpilot.report.comparison_page import ComparisonRun, forest_figure
 from fedpilot.report.runs import clients_frame
 from fedpilot.stats.intervals import t_interval
 from fedpilot.stats.scores import summarize
 from fedpilot.stats.table import format_table
+from fedpilot.stats.verdicts import verdicts
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
+from test_stats import scores_and_values
 
 TWO_STAGES = {**SMALL, "tracking": {"system_metrics": False, "plots": False},
               "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}]}
@@ -156,10 +159,10 @@ def test_the_table_keeps_its_columns_apart_and_counts_ties():
     assert summary["a-much-longer-pipeline-name"]["test_acc_mean.diff_mean"] < 0  # -5.6e-17
     assert summary["a-much-longer-pipeline-name"]["test_acc_mean.better"] == 0.5  # 1 of 2 seeds, the other worse
     assert summary["a-much-longer-pipeline-name"]["test_acc_p10.better"] == 0.0  # a tie and a loss
-    verdicts = {"test_acc_mean": {"a-much-longer-pipeline-name": {
+    shown = {"test_acc_mean": {"a-much-longer-pipeline-name": {
         "diff_mean": -5.6e-17, "resolved": False, "t_holm_low": -0.7262, "t_holm_high": 0.7262, "boot_holm_low": -0.05,
         "boot_holm_high": 0.05}}}
-    table = format_table(summary, "base", 2, verdicts=verdicts)
+    table = format_table(summary, "base", 2, verdicts=shown)
     header, base, other = table.splitlines()[1:]
     assert header.split() == ["pipeline", "test_acc_mean", "vs", "baseline", "test_acc_p10", "vs", "baseline"]
     assert re.split(r"\s{2,}", other) == ["a-much-longer-pipeline-name", "0.8571 ± 0.0000",
@@ -167,5 +170,24 @@ def test_the_table_keeps_its_columns_apart_and_counts_ties():
     assert re.split(r"\s{2,}", base) == ["base", "0.8571 ± 0.0808", "0.8571 ± 0.0000"]
     for seed, value in ((0, 0.5), (1, 0.75)):  # a score only one pipeline recorded: a column of its own
         scores["base"][seed]["novel_test_acc_mean"] = value
-    header, base, other = format_table(summarize(scores, "base"), "base", 2, verdicts=verdicts).splitlines()[1:]
+    header, base, other = format_table(summarize(scores, "base"), "base", 2, verdicts=shown).splitlines()[1:]
     assert header.split()[-1] == "novel_test_acc_mean" and base.endswith("0.6250 ± 0.1768")
+
+
+def test_the_forest_plot_draws_the_adjusted_intervals_in_percentage_points():
+    """Per pipeline its difference in test_acc_mean with the baseline (x 100: percentage points), the bars its
+    Holm-adjusted t and bootstrap intervals, a filled marker where resolved; the first pipeline at the top."""
+    scores, values = scores_and_values({"base": 0.0, "big": 0.05, "none": 0.0})
+    found = verdicts(scores, values, "base", "acc", crossed=True)
+    record = {"metric": "acc", "baseline": "base", "verdicts": found}
+    figure = forest_figure(ComparisonRun("r", "pair", "1", record, "", pd.DataFrame(), {}))
+    t, boot = figure.data
+    assert t.name == "t over seeds" and boot.name == "bootstrap over seeds and clients"
+    rows = found["test_acc_mean"]
+    assert list(t.x) == pytest.approx([100 * rows[n]["diff_mean"] for n in ("none", "big")])
+    assert list(t.error_x.array) == pytest.approx([100 * (rows[n]["t_holm_high"] - rows[n]["diff_mean"])
+                                                   for n in ("none", "big")])
+    assert list(boot.error_x.arrayminus) == pytest.approx([100 * (rows[n]["diff_mean"] - rows[n]["boot_holm_low"])
+                                                           for n in ("none", "big")])
+    assert list(t.marker.symbol) == ["circle-open", "circle"] and "percentage points" in figure.layout.xaxis.title.text
+    assert list(figure.layout.yaxis.ticktext) == ["none", "big"]

@@ -44,8 +44,7 @@ IMPORT_RULES = [  # (whose imports, what they may import besides their own packa
     ("fedpilot.data", ("fedpilot.errors", "fedpilot.metric_names", "fedpilot.registry", "fedpilot.schema",
                        "fedpilot.settings")),
     ("fedpilot.models", ("fedpilot.errors", "fedpilot.registry")),
-    ("fedpilot.compare.stats", ()),
-    ("fedpilot.compare.table", ("fedpilot.compare.stats", "fedpilot.metric_names", "fedpilot.overview")),
+    ("fedpilot.stats", ("fedpilot.metric_names",)),
 ]
 
 
@@ -54,6 +53,28 @@ def test_a_layer_imports_only_what_lies_below_it(owner, allowed):
     wrong = [(module_name(path), module) for path in MODULES if under(module_name(path), owner)
              for module, _ in imports(path) if not under(module, owner, *allowed)]
     assert not wrong, wrong
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level packages other than fedpilot a file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+    return found - {"fedpilot"}
+
+
+def test_the_statistics_lie_beneath_compare_and_report_and_import_no_training_library():
+    """fedpilot.stats is plain numbers in, plain numbers out: no torch, Lightning, MLflow or Optuna; and the report
+    reads a comparison's statistics from it, never from compare/ (which imports the report to log it)."""
+    for path in MODULES:
+        name = module_name(path)
+        if under(name, "fedpilot.stats"):
+            assert not external_imports(path) & {"torch", "lightning", "mlflow", "optuna"}, name
+        if under(name, "fedpilot.report"):
+            assert not [m for m, _ in imports(path) if under(m, "fedpilot.compare")], name
 
 
 def test_nothing_below_the_cli_imports_it_prints_or_exits():

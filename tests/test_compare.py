@@ -1,6 +1,7 @@
 """`fedpilot compare`: a set of pipelines over seeds -> one table (mean and p10 of per-client test accuracy, mean
-and sd over seeds, paired differences with the baseline) on stdout and in MLflow, with every seed's run linked; each
-client's change against the baseline on every seed, the clients helped / hurt on every seed, and the report."""
+and sd over seeds, paired differences with the baseline and their Holm-adjusted intervals) on stdout and in MLflow,
+with every seed's run linked; each client's change against the baseline on every seed, the clients helped / hurt on
+every seed, and the report (tests/test_stats.py checks the statistics themselves)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ import yaml
 from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
-from fedpilot.compare.stats import resolution, summarize
-from fedpilot.compare.table import format_resolution, format_table
 from fedpilot.report import REPORT_ARTIFACT, build
+from fedpilot.report.comparison_page import ComparisonRun, forest_figure
 from fedpilot.report.runs import clients_frame
+from fedpilot.stats.intervals import t_interval
+from fedpilot.stats.scores import summarize
+from fedpilot.stats.table import format_table
+from fedpilot.stats.verdicts import verdicts
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
+from test_stats import scores_and_values
 
 TWO_STAGES = {**SMALL, "tracking": {"system_metrics": False, "plots": False},
               "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}]}
@@ -59,13 +64,22 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
         assert metrics[f"other.{score}.diff_mean"] == pytest.approx(diffs.mean())
         assert metrics[f"other.{score}.better"] == pytest.approx((diffs > 0).mean())
         assert metrics[f"other.{score}.worse"] == pytest.approx((diffs < 0).mean())
-        assert metrics[f"base.{score}.diff_mean"] == 0.0
+        assert f"base.{score}.diff_mean" not in metrics and f"base.{score}.resolved" not in metrics  # no self-diff
+        # one comparison: nothing to adjust, the t interval at 95% (tests/test_stats.py checks the statistics)
+        assert metrics[f"other.{score}.level"] == pytest.approx(0.05)
+        assert (metrics[f"other.{score}.t_holm_low"], metrics[f"other.{score}.t_holm_high"]) == pytest.approx(
+            tuple(t_interval(diffs).__dict__.values()))
+        assert metrics[f"other.{score}.resolved"] == float(metrics[f"other.{score}.p_holm"] <= 0.05)
     assert finals["base", 0] != finals["base", 1]  # each seed its own partition and initialisation
     table = output.split("baseline base", 1)[1]
-    assert re.search(r"\nother .* \(\d better, \d worse\)", table), table
+    assert re.search(r"\nother .* [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\] pp", table), table
     artifacts = client.download_artifacts(run.info.run_id, "comparison.json", str(workdir))
     recorded = json.loads(Path(artifacts).read_text())
     assert recorded["runs"]["other"]["1"] == run.data.tags["run.other.1"]
+    verdict = recorded["verdicts"]["test_acc_mean"]["other"]
+    assert verdict["clients"] == 50 and verdict["seeds"] == 3 and "nested" in recorded["method"]["bootstrap"]
+    assert verdict["p"] == max(verdict["p_t"], verdict["p_boot"])
+    assert "base" not in recorded["verdicts"]["test_acc_mean"]
     # per client: the last stage's test accuracy minus the baseline's, by name, on each seed
     table = json.loads(Path(client.download_artifacts(run.info.run_id, CHANGES_TABLE, str(workdir))).read_text())
     changes = pd.DataFrame(table["data"], columns=table["columns"])
@@ -79,18 +93,17 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
     assert counts == seed_counts(changes, ["other"], 3, higher=True)["other"]
     assert sum(counts.values()) == len(every_seed(changes, 3)) > 0
     assert "dataset.seed is unset" in output  # each seed draws its own shards: say that a name is other data
-    # the resolution: 2 sd of the paired differences, and the step of one test sample of the median client
-    diff_sd = metrics["other.test_acc_mean.diff_sd"]
+    # the intervals' statement, and the step of one test sample of the median client, in the mean
     sizes = last["base", 0]["test_samples"]
-    assert metrics["resolution.paired_2sd"] == pytest.approx(2 * diff_sd)
-    assert metrics["resolution.mean_step"] == pytest.approx(1 / sizes.median() / len(sizes))
-    assert metrics["resolution.smallest"] == pytest.approx(max(2 * diff_sd, 1 / sizes.median() / len(sizes)))
-    assert f"below {metrics['resolution.smallest']:.4f} are not resolved" in output.replace("\n", " ")
+    assert metrics["sample_step.mean"] == pytest.approx(1 / sizes.median() / len(sizes))
+    assert "resolution" not in output and "adjusted by Holm's step-down for the 1 comparison(s)" in output.replace(
+        "\n", " ")
     # the comparison's report: the table, the clients sorted by mean change with their band, the counts
     page = Path(client.download_artifacts(run.info.run_id, REPORT_ARTIFACT, str(workdir))).read_text()
     figure = (f"other: {counts['helped_every_seed']:.0f} helped on every seed, {counts['hurt_every_seed']:.0f} hurt "
               f"on every seed, {counts['mixed']:.0f} mixed")
     assert figure in page and "min-max over seeds" in page and "dataset.seed is unset" in page
+    assert "bootstrap over seeds and clients" in page and "percentage points" in page  # the forest plot
     assert cli("report", run.info.run_id, "-o", str(workdir / "pair.html"))[0] == 0
     assert figure in (workdir / "pair.html").read_text()
     # a pipeline's report: the change of each client in its second stage, as a violin
@@ -136,38 +149,45 @@ def test_clients_helped_on_every_seed_hurt_on_every_seed_or_mixed():
 
 
 def test_the_table_keeps_its_columns_apart_and_counts_ties():
-    """Every cell is separated from the next (a wide paired cell does not run into its neighbour), a difference
-    that rounds to zero has no minus sign, and ties count as neither better nor worse."""
+    """Every cell is separated from the next (a wide cell does not run into its neighbour), the baseline has no
+    difference with itself, and ties count as neither better nor worse."""
     scores = {"base": {0: {"test_acc_mean": 28 / 35, "test_acc_p10": 0.8571},
                        1: {"test_acc_mean": 32 / 35, "test_acc_p10": 0.8571}},
               "a-much-longer-pipeline-name": {0: {"test_acc_mean": 30 / 35, "test_acc_p10": 0.7143},
                                               1: {"test_acc_mean": 30 / 35, "test_acc_p10": 0.8571}}}
-    assert summarize(scores, "base")["a-much-longer-pipeline-name"]["test_acc_mean.diff_mean"] < 0  # -5.6e-17
-    table = format_table(summarize(scores, "base"), "base", 2)
+    summary = summarize(scores, "base")
+    assert summary["a-much-longer-pipeline-name"]["test_acc_mean.diff_mean"] < 0  # -5.6e-17
+    assert summary["a-much-longer-pipeline-name"]["test_acc_mean.better"] == 0.5  # 1 of 2 seeds, the other worse
+    assert summary["a-much-longer-pipeline-name"]["test_acc_p10.better"] == 0.0  # a tie and a loss
+    shown = {"test_acc_mean": {"a-much-longer-pipeline-name": {
+        "diff_mean": -5.6e-17, "resolved": False, "t_holm_low": -0.7262, "t_holm_high": 0.7262, "boot_holm_low": -0.05,
+        "boot_holm_high": 0.05}}}
+    table = format_table(summary, "base", 2, verdicts=shown)
     header, base, other = table.splitlines()[1:]
     assert header.split() == ["pipeline", "test_acc_mean", "vs", "baseline", "test_acc_p10", "vs", "baseline"]
     assert re.split(r"\s{2,}", other) == ["a-much-longer-pipeline-name", "0.8571 ± 0.0000",
-                                          "+0.0000 ± 0.0808 (1 better, 1 worse)", "0.7857 ± 0.1010",
-                                          "-0.0714 ± 0.1010 (0 better, 1 worse)"]
+                                          "+0.00 [-72.62, +72.62] pp", "0.7857 ± 0.1010"]  # no verdict for p10
     assert re.split(r"\s{2,}", base) == ["base", "0.8571 ± 0.0808", "0.8571 ± 0.0000"]
     for seed, value in ((0, 0.5), (1, 0.75)):  # a score only one pipeline recorded: a column of its own
         scores["base"][seed]["novel_test_acc_mean"] = value
-    header, base, other = format_table(summarize(scores, "base"), "base", 2).splitlines()[1:]
+    header, base, other = format_table(summarize(scores, "base"), "base", 2, verdicts=shown).splitlines()[1:]
     assert header.split()[-1] == "novel_test_acc_mean" and base.endswith("0.6250 ± 0.1768")
-    assert re.split(r"\s{2,}", other)[-1] == "-0.0714 ± 0.1010 (0 better, 1 worse)"
 
 
-def test_the_resolution_is_the_larger_of_the_paired_spread_and_one_test_sample():
-    summary = {"base": {"test_acc_mean.diff_sd": 0.0}, "a": {"test_acc_mean.diff_sd": 0.004},
-               "b": {"test_acc_mean.diff_sd": 0.001}, "c": {"test_acc_mean.diff_sd": 0.010}}
-    resolved = resolution(summary, "base", [100, 200, 300, 400], "acc")
-    assert resolved["paired_2sd"] == pytest.approx(0.008) and resolved["paired_2sd_max"] == pytest.approx(0.020)
-    assert resolved["client_step"] == pytest.approx(1 / 250) and resolved["mean_step"] == pytest.approx(1 / 1000)
-    assert resolved["smallest"] == pytest.approx(0.008)
-    coarse = resolution(summary, "base", [7] * 10, "acc")  # one sample of a 7-sample client, in a mean of 10
-    assert coarse["smallest"] == pytest.approx(1 / 70)
-    one_seed = resolution({"base": {}, "a": {"test_acc_mean.diff_sd": float("nan")}}, "base", [50, 50], "acc")
-    assert np.isnan(one_seed["paired_2sd"]) and one_seed["smallest"] == pytest.approx(0.01)
-    assert "needs 2 or more seeds" in format_resolution(one_seed, 1, "acc").replace("\n", " ")
-    errors = resolution({"base": {}, "a": {"test_mse_mean.diff_sd": 0.004}}, "base", [5, 5], "mse")  # not counted
-    assert np.isnan(errors["mean_step"]) and errors["smallest"] == pytest.approx(0.008)
+def test_the_forest_plot_draws_the_adjusted_intervals_in_percentage_points():
+    """Per pipeline its difference in test_acc_mean with the baseline (x 100: percentage points), the bars its
+    Holm-adjusted t and bootstrap intervals, a filled marker where resolved; the first pipeline at the top."""
+    scores, values = scores_and_values({"base": 0.0, "big": 0.05, "none": 0.0})
+    found = verdicts(scores, values, "base", "acc", crossed=True)
+    record = {"metric": "acc", "baseline": "base", "verdicts": found}
+    figure = forest_figure(ComparisonRun("r", "pair", "1", record, "", pd.DataFrame(), {}))
+    t, boot = figure.data
+    assert t.name == "t over seeds" and boot.name == "bootstrap over seeds and clients"
+    rows = found["test_acc_mean"]
+    assert list(t.x) == pytest.approx([100 * rows[n]["diff_mean"] for n in ("none", "big")])
+    assert list(t.error_x.array) == pytest.approx([100 * (rows[n]["t_holm_high"] - rows[n]["diff_mean"])
+                                                   for n in ("none", "big")])
+    assert list(boot.error_x.arrayminus) == pytest.approx([100 * (rows[n]["diff_mean"] - rows[n]["boot_holm_low"])
+                                                           for n in ("none", "big")])
+    assert list(t.marker.symbol) == ["circle-open", "circle"] and "percentage points" in figure.layout.xaxis.title.text
+    assert list(figure.layout.yaxis.ticktext) == ["none", "big"]

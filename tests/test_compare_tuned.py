@@ -20,7 +20,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from fedpilot.client_effects import participating
 from fedpilot.compare.work import COMPARE_RUN_TAG, VARIANT_TAG
+from fedpilot.report.runs import clients_frame
 from pipeline_fixtures import cli, run_id_of, write_pipeline
 from tuning_fixtures import TUNED_BASE
 
@@ -78,6 +80,17 @@ def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(
     written = [record_of(client, experiment, run_id, "other", "written", seed) for seed in (0, 1)]
     assert metrics["other.untuned.test_acc_mean.mean"] == pytest.approx(np.mean(written))
     assert "untuned test_acc_mean" in output and "tuning: one study per pipeline" in output
+    assert "more.params.lr_u=" in output and "more.local.lr=" in output  # keys as stage name and whole key
+    trial_names = {r.info.run_name for r in client.search_runs([experiment], "tags.`fedpilot.trial` = '0'")}
+    assert "base trial 0: more.local.lr=0.05 seed 2" in trial_names
+    # the winner's curse: the study's best on the tuning seed against the choice's validation on seeds 0 and 1
+    for pipeline in ("base", "other"):
+        reruns = [validation_of(client, experiment, run_id, pipeline, seed) for seed in (0, 1)]
+        assert [record["validation"][pipeline][str(s)] for s in (0, 1)] == pytest.approx(reruns)
+        gap = record["optimism"][pipeline]
+        assert gap["tuning"] == record["tuning"][pipeline]["best"] and gap["seeds"] == 2
+        assert gap["optimism"] == pytest.approx(gap["tuning"] - np.mean(reruns), abs=1e-6)  # the table: float32
+        assert metrics[f"{pipeline}/tune_optimism"] == pytest.approx(gap["optimism"])
     assert "the baseline is base, the set's first pipeline" in output  # the set names none
     page = Path(client.download_artifacts(run_id, "report.html", str(workdir))).read_text()
     for title in ("Paired difference with base", "Tuning: the best value against the trials",
@@ -86,12 +99,25 @@ def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(
     assert "<pre>" not in page.split("Paired difference")[0]  # the table is an HTML table
 
 
+def unit_run(client: MlflowClient, experiment: str, run_id: str, pipeline: str, variant: str, seed: int):
+    """One of the comparison's runs: `variant` of `pipeline` on `seed`."""
+    return client.search_runs([experiment], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}' and tags.`{VARIANT_TAG}` = "
+                              f"'{variant}' and tags.`fedpilot.pipeline` = '{pipeline}' and tags.`fedpilot.seed` = "
+                              f"'{seed}'")[0]
+
+
 def record_of(client: MlflowClient, experiment: str, run_id: str, pipeline: str, variant: str, seed: int) -> float:
     """The final test mean of one of the comparison's runs."""
-    run = client.search_runs([experiment], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}' and tags.`{VARIANT_TAG}` = "
-                             f"'{variant}' and tags.`fedpilot.pipeline` = '{pipeline}' and tags.`fedpilot.seed` = "
-                             f"'{seed}'")[0]
-    return run.data.metrics["final_test_acc_mean"]
+    return unit_run(client, experiment, run_id, pipeline, variant, seed).data.metrics["final_test_acc_mean"]
+
+
+def validation_of(client: MlflowClient, experiment: str, run_id: str, pipeline: str, seed: int) -> float:
+    """The mean over a tuned run's clients of their validation accuracy at its last stage's end, from its per-client
+    table: what the study's objective (val_acc_mean) measures, recomputed."""
+    run = unit_run(client, experiment, run_id, pipeline, "tuned", seed)
+    stages = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    last = max(stages, key=lambda r: int(r.data.tags["fedpilot.stage_index"]))
+    return float(participating(clients_frame(client, last.info.run_id))["val_acc"].mean())
 
 
 def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tuning(workdir, monkeypatch):

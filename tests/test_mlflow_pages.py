@@ -82,8 +82,10 @@ def test_names_and_table_columns_put_what_differs_first():
     keys = ["stages.1.params.lr_v", "stages.1.local.lr", "stages.2.local.lr"]
     assert short_keys(keys) == {"stages.1.params.lr_v": "lr_v", "stages.1.local.lr": "1.local.lr",
                                 "stages.2.local.lr": "2.local.lr"}
-    assert trial_name("quickstart", 3, {keys[0]: 0.012345, keys[2]: 0.001}) == \
-        "quickstart trial 3: lr_v=0.0123 lr=0.001"  # short where unique
+    assert trial_name("quickstart", 3, {keys[0]: 0.012345, keys[1]: 0.5, keys[2]: 0.001},
+                      ["pretrain", "personalize", "finetune"]) == \
+        "quickstart trial 3: personalize.params.lr_v=0.0123 personalize.local.lr=0.5 finetune.local.lr=0.001"
+    assert trial_name("quickstart", 3, {keys[0]: 0.5}) == "quickstart trial 3: stages.1.params.lr_v=0.5"  # no names
     runs = [PipelineRun(str(i), name, "1", [], "") for i, name in enumerate(
         ["small stages.1.local.lr=0.1", "small stages.2.local.lr=0.1", "small stages.2.local.lr=0.2 seed=1"])]
     assert [r.label for r in labelled(runs)] == ["1.local.lr=0.1", "2.local.lr=0.1", "2.local.lr=0.2 seed=1"]

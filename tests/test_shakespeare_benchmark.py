@@ -77,7 +77,7 @@ def test_the_set_runs_reduced_end_to_end_through_compare(workdir, plays):
     code, output = cli("compare", str(reduced), "--seeds", "1")
     assert code == 0, output
     assert all(f"seed 0 {yaml.safe_load(path.read_text())['name']}: test_acc_mean=" in output for path in kept)
-    assert "resolution: differences of test_acc_mean below" in output
+    assert "intervals: each difference is a pipeline's score minus" in output
     client = MlflowClient()
     experiment = client.get_experiment_by_name("shakespeare").experiment_id
     stages = client.search_runs([experiment], "tags.`fedpilot.stage_index` = '0'")

@@ -10,6 +10,7 @@ from typing import Any
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine.protocol import Algorithm
 from fedpilot.spec import PipelineSpec
+from fedpilot.stats.table import aligned
 
 # Keys of a block that only some of its kinds use: block kind -> the keys beyond those every kind uses.
 PARTITION_KEYS = {"natural": ("column",), "iid": (), "dirichlet": ("alpha", "balanced"),
@@ -77,13 +78,6 @@ def _changed_params(algorithm: Algorithm, params: dict[str, Any]) -> str:
     """The algorithm parameters the pipeline sets to other values than their defaults."""
     defaults = type(algorithm).Params().model_dump(mode="json")
     return " ".join(f"{k}={v}" for k, v in params.items() if defaults.get(k) != v)
-
-
-def aligned(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
-    """Rows of cells as lines of aligned columns (right-aligned where `right` says), the first row a header."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in
-                      enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
 
 
 def summary(spec: PipelineSpec, n_clients: int | None) -> str:

@@ -37,10 +37,10 @@ from fedpilot.errors import Diverged, SearchError, SpecError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.report import log_report
-from fedpilot.report.runs import short_keys
 from fedpilot.schema import SEED_MAX
 from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
+from fedpilot.stats.keys import key_labels
 from fedpilot.studies.edges import EDGES, edge_of, extensible, flags, grown, with_grown
 from fedpilot.studies.points import BEYOND_EDGE, ORIGIN, SOBOL, TPE, WRITTEN, sobol_points, startup_count
 from fedpilot.studies.pruner import CURVES, MarginPruner, curve_attr, seed_margin
@@ -370,8 +370,8 @@ class Search:
         runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
                                 extra_callbacks=self._evaluation_callbacks(trial if first else None, evaluations))
         noise = seed not in self.seeds
-        name = trial_name(self.spec.name, trial.number, values) + ("" if first and not self.scope.seeds else
-                                                                   f" seed {seed}") + (" (noise)" if noise else "")
+        name = trial_name(self.spec.name, trial.number, values, [s.name for s in self.spec.stages]) + (
+            "" if first and not self.scope.seeds else f" seed {seed}") + (" (noise)" if noise else "")
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
         try:
             result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
@@ -493,9 +493,10 @@ def _busy(trials: list[optuna.trial.FrozenTrial]) -> bool:
     return any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
 
 
-def trial_name(pipeline: str, number: int, values: dict[str, Any]) -> str:
-    """A trial's run name: its number and parameters, e.g. `quickstart trial 3: lr_v=0.0123 lr=0.00201`."""
-    names = short_keys(list(values))
+def trial_name(pipeline: str, number: int, values: dict[str, Any], stages: list[str] | None = None) -> str:
+    """A trial's run name: its number and parameters, each key labelled by its stage's name (`stages`: the
+    pipeline's stage names; stats.keys), e.g. `quickstart trial 3: personalize.params.lr_v=0.0123`."""
+    names = key_labels(list(values), stages or [])
     shown = " ".join(f"{names[k]}={v:.3g}" if isinstance(v, float) else f"{names[k]}={v}" for k, v in values.items())
     return f"{pipeline} trial {number}: {shown}"
 

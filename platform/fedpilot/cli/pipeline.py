@@ -147,8 +147,8 @@ def format_outcomes(stages: list, metric: str) -> str:
     better and worse than after the stage before, and where recorded the novel clients and the selected models, as a
     small text table."""
     from fedpilot.metric_names import TABLE_STATS, metric_label
-    from fedpilot.overview import aligned
     from fedpilot.report.pipeline_page import beyond_cells, stage_cells
+    from fedpilot.stats.table import aligned
 
     beyond = [beyond_cells(o.metrics, metric) for o in stages]
     extra = list(dict.fromkeys(k for cells in beyond for k in cells))

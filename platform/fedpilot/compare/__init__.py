@@ -21,6 +21,7 @@ then its best configuration runs on the comparison's seeds, which exclude the tu
 split is read until the table. The work is claimed unit by unit through named leases, so several processes (queue
 workers, a Slurm array) share it, and a stopped or killed comparison picks up what is done when it runs again.
 
-The modules: plan (the set file and every spec it stands for), stats (paired differences, resolution, a study's
-summary), table (the text and HTML tables), work (who runs what), record (the table and its MLflow records).
+The modules: plan (the set file and every spec it stands for), work (who runs what), record (the statistics, the
+tables and their MLflow records). The statistics and the tables themselves are `fedpilot.stats`, which the report
+reads too.
 """

@@ -21,12 +21,12 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
-from fedpilot.compare.stats import StudySummary, study_summary
 from fedpilot.db import connect, engine_options
 from fedpilot.errors import NoSuchRun, StageFailed
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.signals import Stopped, stop_asked, stop_on_signals
+from fedpilot.stats.study import StudySummary, study_summary
 from fedpilot.studies.edges import EDGES
 from fedpilot.tracking import (
     COMPARE_TAG,
@@ -211,7 +211,8 @@ class Work:
         spec = self.plan.tuning[pipeline]
         finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED]
         pairs = [(t.value if t.state == TrialState.COMPLETE else None, dict(t.params)) for t in finished]
-        return study_summary(spec.search.study, pairs, spec.search.objective[0].direction == "maximize")
+        return study_summary(spec.search.study, pairs, spec.search.objective[0].direction == "maximize",
+                             [s.name for s in spec.stages])
 
     def facts(self, pipeline: str) -> StudyFacts:
         """What the pipeline's study spent and where its choice lies (study_facts)."""

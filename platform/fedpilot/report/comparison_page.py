@@ -1,5 +1,6 @@
-"""The page of a comparison's run (`fedpilot compare`): its table and, per pipeline, each client's change against the
-baseline over the seeds (fedpilot.client_effects)."""
+"""The page of a comparison's run (`fedpilot compare`): its table, each pipeline's verdict against the baseline with
+its adjusted intervals (fedpilot.stats, read back from comparison.json), what each study chose and, per pipeline,
+each client's change against the baseline over the seeds (fedpilot.client_effects)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from mlflow import MlflowClient
 from plotly.subplots import make_subplots
 
 from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed
-from fedpilot.compare.stats import StudySummary, paired
-from fedpilot.compare.table import frame, pipelines_rows, tuning_rows
 from fedpilot.errors import NoSuchRun
 from fedpilot.metric_names import higher_is_better, metric_label
 from fedpilot.report.figures import COLORS, sized
 from fedpilot.report.page import Section, page
 from fedpilot.report.runs import read_table
+from fedpilot.stats.scores import in_points
+from fedpilot.stats.study import StudySummary
+from fedpilot.stats.table import frame, pipelines_rows, tuning_rows, verdict_rows
 from fedpilot.tracking import COMPARE_TAG, PIPELINE_TAG
 
 
@@ -30,7 +32,7 @@ class ComparisonRun:
     run_id: str
     name: str
     experiment_id: str
-    record: dict  # its comparison.json: baseline, metric, seeds, federation, scores, runs, summary
+    record: dict  # its comparison.json: baseline, metric, seeds, federation, scores, runs, summary, verdicts
     table: str  # its comparison.txt
     changes: pd.DataFrame  # its clients_across_seeds.json: client, pipeline, seed, change
     counts: dict[str, dict[str, int]]  # pipeline -> helped_every_seed / hurt_every_seed / mixed (its metrics)
@@ -99,39 +101,53 @@ def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
 
 
 def pipelines_frame(comparison: ComparisonRun) -> pd.DataFrame:
-    """The comparison's table of pipelines against the baseline, as the command printed it (compare.table)."""
+    """The comparison's table of pipelines against the baseline, as the command printed it (stats.table)."""
     record = comparison.record
-    rows = pipelines_rows(record["summary"], record["baseline"], len(record["seeds"]), record.get("metric", "acc"),
-                          record.get("untuned"))
+    rows = pipelines_rows(record["summary"], record["baseline"], record.get("metric", "acc"), record.get("untuned"),
+                          record.get("verdicts"))
     return frame(rows)
 
 
+def verdicts_frame(comparison: ComparisonRun, score: str) -> pd.DataFrame | None:
+    """One headline score's verdicts: the difference, the Holm-adjusted intervals, the p-values, resolved and the
+    seeds a 0.5 pp difference needs (stats.table)."""
+    rows = (comparison.record.get("verdicts") or {}).get(score)
+    return frame(verdict_rows(rows, comparison.record.get("metric", "acc"))) if rows else None
+
+
+FOREST_BARS = (("t", "t over seeds", 0.15), ("boot", "bootstrap over seeds and clients", -0.15))
+
+
 def forest_figure(comparison: ComparisonRun) -> go.Figure | None:
-    """Per pipeline, its paired difference in mean test metric with the baseline: the mean over seeds (a marker)
-    and the least and the most (the bar), beside the band of differences the set does not resolve."""
+    """Per pipeline, its paired difference in mean test metric with the baseline (in percentage points for
+    accuracy): the marker the mean over seeds, the bars its Holm-adjusted t and bootstrap intervals, a filled marker
+    where the difference is resolved."""
     record = comparison.record
     metric, baseline = record.get("metric", "acc"), record["baseline"]
-    scores = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["scores"].items()}
     score = f"test_{metric}_mean"
-    rows = [(p, paired(scores, p, baseline, score)) for p in scores if p != baseline and scores[p]]
-    rows = [(p, d) for p, d in rows if len(d)]
+    rows = (record.get("verdicts") or {}).get(score) or {}
     if not rows:
         return None
-    names = [p for p, _ in rows][::-1]  # the first pipeline at the top
-    means = [float(d.mean()) for _, d in rows][::-1]
-    lows, highs = [float(d.min()) for _, d in rows][::-1], [float(d.max()) for _, d in rows][::-1]
-    fig = go.Figure(go.Scatter(
-        x=means, y=names, mode="markers", marker={"size": 9, "color": COLORS[0]}, name="mean over seeds",
-        error_x={"type": "data", "symmetric": False, "array": np.subtract(highs, means),
-                 "arrayminus": np.subtract(means, lows)},
-        hovertemplate="%{y}: %{x:+.4f}<extra></extra>"))
-    band = record.get("resolution", {}).get("smallest")
-    if band is not None and np.isfinite(band):
-        fig.add_vrect(x0=-band, x1=band, fillcolor="grey", opacity=0.15, line_width=0,
-                      annotation_text=f"not resolved (±{band:.4f})", annotation_position="top left")
+    names, scale = list(rows)[::-1], 100.0 if in_points(metric) else 1.0  # the first pipeline at the top
+    fig = go.Figure()
+    for i, (kind, label, offset) in enumerate(FOREST_BARS):
+        shown = [n for n in names if np.isfinite(rows[n][f"{kind}_holm_low"] + rows[n][f"{kind}_holm_high"])]
+        diff, low, high = (np.array([rows[n][k] for n in shown]) * scale
+                           for k in ("diff_mean", f"{kind}_holm_low", f"{kind}_holm_high"))
+        text = [f"{n}: {d:+.2f} [{lo:+.2f}, {hi:+.2f}] at level {rows[n]['level']:.4g}"
+                + (", resolved" if rows[n]["resolved"] else "") for n, d, lo, hi in zip(shown, diff, low, high,
+                                                                                        strict=True)]
+        fig.add_trace(go.Scatter(
+            x=diff, y=[names.index(n) + offset for n in shown], mode="markers", name=label, text=text,
+            marker={"size": 9, "color": COLORS[i], "symbol": ["circle" if rows[n]["resolved"] else "circle-open"
+                                                              for n in shown]},
+            error_x={"type": "data", "symmetric": False, "array": high - diff, "arrayminus": diff - low},
+            hovertemplate="%{text}<extra>" + label + "</extra>"))
     fig.add_vline(x=0, line={"color": "grey", "width": 1})
-    fig.update_layout(xaxis_title=f"{score} minus {baseline}'s, same seed", showlegend=False)
-    return sized(fig, 170 + 30 * len(names))
+    fig.update_yaxes(tickvals=list(range(len(names))), ticktext=names)
+    unit = " (percentage points)" if in_points(metric) else ""
+    fig.update_layout(xaxis_title=f"{score} minus {baseline}'s, same seed{unit}", legend={"orientation": "h"})
+    return sized(fig, 200 + 40 * len(names))
 
 
 def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
@@ -159,7 +175,8 @@ def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
     if not tuning:
         return None
     studies = {name: StudySummary(**study) for name, study in tuning.items()}
-    return frame(tuning_rows(studies, record.get("objective") or "objective", record.get("study_facts")))
+    return frame(tuning_rows(studies, record.get("objective") or "objective", record.get("optimism"),
+                             record.get("study_facts")))
 
 
 def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
@@ -169,21 +186,30 @@ def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
     metric, seeds, baseline = metric_label(record.get("metric", "acc")), len(record["seeds"]), record["baseline"]
     better = "above" if higher_is_better(record.get("metric", "acc")) else "below"
     tuned = bool(record.get("tuning"))
-    notes = [part for part in comparison.table.split("\n\n") if part.startswith(("resolution:", "diverged"))]
+    notes = [part for part in comparison.table.split("\n\n") if part.startswith("diverged")]
+    intervals = next((part for part in comparison.table.split("\n\n") if part.startswith("intervals:")), "")
     sections: list[Section] = [
         ("Pipelines against " + baseline, f"Each {'tuned ' if tuned else ''}pipeline's last stage over {seeds} "
-         f"seed(s): mean ± sd over seeds; the paired differences are with the baseline on the same seed. "
-         + " ".join(notes).replace("\n", " "), pipelines_frame(comparison)),
+         f"seed(s): mean ± sd over seeds; vs baseline: the paired difference with the baseline on the same seed and "
+         f"its adjusted interval (below). " + " ".join(notes).replace("\n", " "), pipelines_frame(comparison)),
         ("Paired difference with " + baseline, "Each pipeline's mean test " + metric + " minus the baseline's on the "
-         "same seed: the marker is the mean over seeds, the bar spans the least and the most; the grey band is what "
-         "the set does not resolve.", forest_figure(comparison)),
+         "same seed: the marker is the mean over seeds, the bars its t interval over seeds and its bootstrap "
+         "interval over seeds and clients, both adjusted by Holm for the set's comparisons; a filled marker is a "
+         "resolved difference. " + intervals.replace("\n", " ").removeprefix("intervals: "),
+         forest_figure(comparison)),
+        *[(f"Verdicts: {score} against {baseline}", "The Holm-adjusted intervals, the p-value each comparison was "
+           "adjusted on (the larger of the t's and the bootstrap's) and its adjusted p-value.",
+           verdicts_frame(comparison, score)) for score in (record.get("verdicts") or {})],
         ("Tuning: the best value against the trials", f"Each pipeline's study on the validation split of seed(s) "
          f"{record.get('tuning_seeds')}: its best {record.get('objective')} after each finished trial, trial 0 the "
          "pipeline as written. A dashed line still rose in the last quarter of its trials: more trials may help.",
          best_so_far_figure(comparison)),
         ("Tuning: what each study chose", "Trials (of which pruned), the chosen configuration's objective, the "
          "objective's 10th / 50th / 90th percentile over the completed trials (how much the method's result depends "
-         "on its settings), and the chosen values.", tuning_frame(comparison)),
+         "on its settings), the same objective of the chosen configuration rerun on the comparison seeds and its "
+         "optimism (the winner's curse: the best minus the rerun, positive where the tuning seeds flattered it, with "
+         "its 95% t interval over the comparison seeds), and the chosen values (stage.key).",
+         tuning_frame(comparison)),
         ("Per-client change against " + baseline + " over the seeds", f"Each client (by name) is a point at its "
          f"mean change in test {metric} over the seeds, sorted; the band spans its least and its most. Helped on "
          f"every seed: {better} 0 on each; hurt on every seed: the other side on each; mixed: the rest (a tie counts "

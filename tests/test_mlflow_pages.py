@@ -173,8 +173,11 @@ def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_repor
     reused = load_run(client, run_ids[1]).stages[0]  # pretrain from the first run's cache entry
     # its rounds' loss, from the run that trained it
     assert reused.cache == "hit" and len(reused.curves["train_loss"]) == 4
-    browse = next(line for line in outputs[1][1].splitlines() if line.startswith("browse: "))
-    assert browse.endswith(f"/#/experiments/{experiment}/runs/{run_ids[1]}?workflowType=machine_learning")
+    lines = outputs[1][1].splitlines()
+    browse = lines.index(next(line for line in lines if line.startswith("browse (")))
+    assert lines[browse].endswith("ui --port 5000 first):")  # the page's URL alone on the next line, whole
+    assert lines[browse + 1] == f"  http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_ids[1]}" \
+                                "?workflowType=machine_learning"
     both = workdir / "both.html"
     code, output = cli("report", *run_ids, "--output", str(both))
     assert code == 0 and str(both) in output, output

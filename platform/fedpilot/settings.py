@@ -20,6 +20,7 @@ from fedpilot.errors import SetupError
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_DB = "sqlite:///fedpilot.db"
 DEFAULT_CACHE = ".fedpilot-cache"
+UI_PORT = 5000  # where `fedpilot ui` serves a local tracking store by default (the pages fedpilot prints)
 SQL_INT_MAX = 2**31 - 1  # the platform database's INTEGER columns (job ids, trials) have 32 bits in PostgreSQL
 CONFIG_GROUPS = ("dataset", "model")  # the configs/ groups pipelines compose from
 # The tracking stores MLflow 3 opens (mlflow.tracking._tracking_service.utils._register_tracking_stores): a folder

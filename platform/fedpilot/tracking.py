@@ -34,7 +34,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from fedpilot import plots
 from fedpilot.errors import NoSuchRun, StoreUnavailable
 from fedpilot.metric_names import NOVEL
-from fedpilot.settings import hidden, sqlite_file, store_exists, tracking_key
+from fedpilot.settings import UI_PORT, hidden, sqlite_file, store_exists, tracking_key
 
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
 COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipeline) and each of its pipeline runs
@@ -45,7 +45,7 @@ SPEC_ARTIFACT, CLIENTS_TABLE = "pipeline.json", "clients.json"
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
 NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page
 MAX_RUN_NAME = 250
-UI_URL = "http://127.0.0.1:5000"  # where `fedpilot ui` serves a local store
+UI_URL = f"http://127.0.0.1:{UI_PORT}"  # where `fedpilot ui` serves a local store
 STOPPED = (KeyboardInterrupt, SystemExit, optuna.TrialPruned)  # ended on purpose: status KILLED, not FAILED
 
 

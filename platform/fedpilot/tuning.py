@@ -148,7 +148,8 @@ class StudyScope:
     each trial trained on every one of `seeds` (default: the spec's), its objective their mean, pruned on the first;
     trial 0 also trained on `noise` (default: the spec's seed and the next) to measure the noise between seeds;
     trial 0 the values `first` (the pipeline as written); the study's user attributes `attrs`; `wait` off: a process
-    leaves the trials others are running to them and returns; `report` off: no report.html of the best trials."""
+    leaves the trials others are running to them and returns; `report` off: no report.html of the best trials;
+    `callbacks` are Optuna's, called after each trial this process ran (a comparison's display)."""
 
     parent: str | None = None
     seeds: tuple[int, ...] = ()
@@ -157,6 +158,7 @@ class StudyScope:
     attrs: dict[str, str] = field(default_factory=dict)
     wait: bool = True
     report: bool = True
+    callbacks: tuple[Callable[[optuna.Study, optuna.trial.FrozenTrial], None], ...] = ()  # Optuna's, after a trial
 
 
 @dataclass
@@ -276,7 +278,8 @@ class Search:
                 # two processes never draw the same point.
                 self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
                 try:
-                    self.study.optimize(self._objective, n_trials=1)  # releases the lease once the trial exists
+                    # releases the lease once the trial exists
+                    self.study.optimize(self._objective, n_trials=1, callbacks=list(self.scope.callbacks))
                 except optuna.exceptions.UpdateFinishedTrialError:
                     self.echo("a trial outlived its heartbeat grace period and was failed by another process; "
                               "it is retried")

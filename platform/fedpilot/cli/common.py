@@ -11,19 +11,43 @@ from pathlib import Path
 from typing import Annotated, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from fedpilot.errors import DataUnavailable, StageFailed
 from fedpilot.jobs.result_file import write_result
 
 T = TypeVar("T")
 
+# The panels of `fedpilot --help`, and how every help text is read: markdown (`code`, paragraphs rewrapped)
+RUNS, STUDIES, JOBS, DATA, SCAFFOLDING = "Runs", "Comparisons and searches", "Jobs", "Data", "Scaffolding"
+MARKUP = "markdown"
+
+
+def _untyped_flags(params: list) -> list:
+    """A flag takes no value: no `<bool>` beside it in --help (typer shows every option's type)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A fedpilot command: its --help shows no type beside a flag."""
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """A group of fedpilot commands: its --help shows no type beside a flag."""
+
+    def get_params(self, ctx):
+        return _untyped_flags(super().get_params(ctx))
+
 Pipeline = Annotated[Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")]
-Overrides = Annotated[
-    list[str] | None,
-    typer.Argument(help="Dotted overrides such as dataset.partition.alpha=0.1 or stages.0.rounds=20."),
-]
-CacheDir = Annotated[Path | None, typer.Option(help="fedpilot's cache: data/, stages/, runs/ (default "
-                                                    "$FEDPILOT_CACHE or .fedpilot-cache).")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. stages.0.rounds=20.")]
+CacheDir = Annotated[Path | None, typer.Option(help="fedpilot's cache (default $FEDPILOT_CACHE, else "
+                                                    ".fedpilot-cache).")]
 ResultFile = Annotated[Path | None, typer.Option(hidden=True, help="JSON file a worker reads: run id, status, "
                                                                   "error (written as they become known).")]
 Db = Annotated[str | None, typer.Option("--db", help="Platform database URL (default $FEDPILOT_DB, else "
@@ -33,20 +57,20 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")
 # Where a job runs (`--to`) and the Slurm options of one submitted there; defaults come from the pipeline's `slurm:`
 # block, under it from $FEDPILOT_SLURM ("partition=gpu gpus=1 time=4:00:00").
 SLURM_PANEL = "Slurm, with --to slurm (defaults: slurm: block, $FEDPILOT_SLURM)"
-To = Annotated[str | None, typer.Option("--to", help="Where the job runs: `queue` (fedpilot workers) or `slurm` "
-                                                     "(the cluster's scheduler, through submitit).")]
+To = Annotated[str | None, typer.Option("--to", help="Where it runs: `queue` (fedpilot workers) or `slurm` (through "
+                                                     "submitit).")]
 Partition = Annotated[str | None, typer.Option(help="Partition.", rich_help_panel=SLURM_PANEL)]
 Gpus = Annotated[int | None, typer.Option(help="GPUs per node (default `devices`; 0 on a CPU-only cluster).",
                                           rich_help_panel=SLURM_PANEL)]
 Cpus = Annotated[int | None, typer.Option(help="CPUs per task.", rich_help_panel=SLURM_PANEL)]
 Mem = Annotated[str | None, typer.Option(help="Memory per node, e.g. 16G.", rich_help_panel=SLURM_PANEL)]
-Time = Annotated[str | None, typer.Option(help="Time limit, MINUTES or [D-]HH:MM:SS (the run stops with a "
-                                               "checkpoint shortly before it and is requeued).",
+Time = Annotated[str | None, typer.Option(help="Time limit, MINUTES or D-HH:MM:SS (a checkpoint just before, then "
+                                               "requeued).",
                                           rich_help_panel=SLURM_PANEL)]
 Account = Annotated[str | None, typer.Option(help="Account charged.", rich_help_panel=SLURM_PANEL)]
 Qos = Annotated[str | None, typer.Option(help="Quality of service.", rich_help_panel=SLURM_PANEL)]
-Parallel = Annotated[int, typer.Option(help="Workers started at once on one study or comparison (a Slurm job array "
-                                             "with --to slurm, else that many queued jobs; 1 to 1000).")]
+Parallel = Annotated[int, typer.Option(help="Workers on one study or comparison (1-1000, default 1): a job array, "
+                                             "or queued jobs.", show_default=False)]
 # Bounds of numeric options: past them a value is a typo, or fails inside the library it reaches.
 PARALLEL_MAX = 1000  # a job array's tasks: Slurm's default MaxArraySize (1001) bounds them
 PERIOD_MAX_S = 86_400  # heartbeats and polls: a day (past some thousand years, the times computed overflow datetime)

@@ -10,10 +10,11 @@ from typing import Annotated
 
 import typer
 
-from fedpilot.cli.common import Overrides, Pipeline, fail, print_json
+from fedpilot.cli.common import MARKUP, Command, Group, Overrides, Pipeline, fail, print_json
 from fedpilot.errors import SpecError, UserError
 
-data_app = typer.Typer(help="Inspect the federated dataset a pipeline builds.", no_args_is_help=True)
+data_app = typer.Typer(cls=Group, rich_markup_mode=MARKUP, help="Inspect the federated dataset a pipeline builds.",
+                       no_args_is_help=True)
 
 
 @contextmanager
@@ -50,7 +51,7 @@ def build_progress() -> Iterator[None]:
             bars[""].stop()
 
 
-@data_app.command("describe")
+@data_app.command("describe", cls=Command)
 def data_describe(
     pipeline: Pipeline,
     overrides: Overrides = None,

@@ -8,13 +8,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from fedpilot.cli.common import (
+    MARKUP,
     PARALLEL_MAX,
     PERIOD_MAX_S,
     Account,
     AsJson,
+    Command,
     Cpus,
     Db,
     Gpus,
+    Group,
     Mem,
     Overrides,
     Parallel,
@@ -37,8 +40,8 @@ if TYPE_CHECKING:
 
     from fedpilot.jobs.backend import Backend
 
-schedule_app = typer.Typer(help="Cron schedules that add trials to an Optuna study at each firing.",
-                           no_args_is_help=True)
+schedule_app = typer.Typer(cls=Group, rich_markup_mode=MARKUP, no_args_is_help=True,
+                           help="Cron schedules that add trials to an Optuna study at each firing.")
 
 
 def _database(db: str | None, option: str = "--db", missing: UserError | None = None) -> Engine:
@@ -100,9 +103,10 @@ def submit(
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
-    """Validate a pipeline and queue it as a job (its resolved spec is frozen now), or with `--to slurm` submit it
-    to Slurm (sbatch through submitit, where it runs); say what was queued and how to follow it (on stderr), then
-    print the job ids (alone on stdout, for scripts)."""
+    """Check a pipeline and queue it as a job, or submit it to Slurm (`--to slurm`); print the job ids.
+
+    Its resolved spec is frozen now. What was queued and how to follow it goes to stderr, the job ids alone to
+    stdout (for scripts)."""
     from fedpilot.data.federated import staging
     from fedpilot.jobs.backend import QUEUE, backend
     from fedpilot.jobs.queue import job_fields
@@ -126,8 +130,8 @@ def submit(
     typer.echo(" ".join(map(str, ids)))
 
 
-jobs_app = typer.Typer(help="The job queue: `fedpilot jobs` lists it, `fedpilot jobs show ID` tells one job's story.",
-                       invoke_without_command=True)
+jobs_app = typer.Typer(cls=Group, rich_markup_mode=MARKUP, invoke_without_command=True,
+                       help="The job queue: `fedpilot jobs` lists it, `fedpilot jobs show ID` tells one job's story.")
 
 
 @jobs_app.callback()
@@ -153,7 +157,7 @@ def jobs(ctx: typer.Context, db: Db = None, as_json: AsJson = False) -> None:
                                 "started_at", "finished_at", "mlflow", "reason"])
 
 
-@jobs_app.command("show")
+@jobs_app.command("show", cls=Command)
 def jobs_show(job_id: Annotated[int, typer.Argument(help="The job id `fedpilot submit` printed.")], db: Db = None,
               as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False) -> None:
     """One job: its fields, every attempt (worker, times, status, exit code, MLflow run, error) and its output."""
@@ -239,8 +243,9 @@ def scheduler(
     once: Annotated[bool, typer.Option("--once", help="Fire what is due now and return.")] = False,
     poll_seconds: Annotated[float, typer.Option(help="Wait between looks at the schedules (0.01 to 86400).")] = 30.0,
 ) -> None:
-    """Fire due schedules: each firing queues a search job adding the schedule's trials to its study. It logs its
-    start (the schedules it watches) and each firing."""
+    """Fire due schedules: each firing queues a search job that adds the schedule's trials to its study.
+
+    It logs its start (the schedules it watches) and each firing."""
     from fedpilot.jobs.schedule import serve, watching
     from fedpilot.settings import check_cache
 
@@ -255,7 +260,7 @@ def scheduler(
     typer.echo(f"queued jobs: {', '.join(map(str, queued)) or 'none'}")
 
 
-@schedule_app.command("add")
+@schedule_app.command("add", cls=Command)
 def schedule_add(
     pipeline: Pipeline,
     overrides: Overrides = None,
@@ -307,7 +312,7 @@ def _log(message: str) -> None:
     typer.echo(f"{utcnow():%Y-%m-%d %H:%M:%S}Z {message}")
 
 
-@schedule_app.command("list")
+@schedule_app.command("list", cls=Command)
 def schedule_list(db: Db = None, as_json: AsJson = False) -> None:
     """List schedules with their cron, trials per firing, study, state, firings and next fire time."""
     from fedpilot.jobs.schedule import list_schedules
@@ -338,19 +343,19 @@ def _change(name: str, db: str | None, action: str) -> None:
 ScheduleName = Annotated[str, typer.Argument(help="The schedule's name (see `fedpilot schedule list`).")]
 
 
-@schedule_app.command("pause")
+@schedule_app.command("pause", cls=Command)
 def schedule_pause(name: ScheduleName, db: Db = None) -> None:
     """Stop a schedule from firing until it is resumed."""
     _change(name, db, "paused")
 
 
-@schedule_app.command("resume")
+@schedule_app.command("resume", cls=Command)
 def schedule_resume(name: ScheduleName, db: Db = None) -> None:
     """Let a paused schedule fire again (firings missed while paused are skipped)."""
     _change(name, db, "resumed")
 
 
-@schedule_app.command("remove")
+@schedule_app.command("remove", cls=Command)
 def schedule_remove(name: ScheduleName, db: Db = None) -> None:
     """Delete a schedule and its firing records; its jobs and Optuna study stay."""
     _change(name, db, "removed")

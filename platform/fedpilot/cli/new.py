@@ -7,11 +7,11 @@ from typing import Annotated
 
 import typer
 
-from fedpilot.cli.common import fail
+from fedpilot.cli.common import MARKUP, Command, Group, fail
 from fedpilot.errors import UserError
 
-new_app = typer.Typer(help="Write a ready plugin package: an algorithm, a model or a dataset source of your own.",
-                      no_args_is_help=True)
+new_app = typer.Typer(cls=Group, rich_markup_mode=MARKUP, no_args_is_help=True,
+                      help="Write a ready plugin package: an algorithm, a model or a dataset source of your own.")
 Name = Annotated[str, typer.Argument(help="The name pipelines will use (lowercase letters, digits, _).")]
 Into = Annotated[Path, typer.Option("--into", help="Folder to create the package in.")]
 
@@ -28,20 +28,20 @@ def _new(kind: str, name: str, into: Path) -> None:
     typer.echo(f"\nnext: cd {root} && pip install -e . && pytest tests && fedpilot run pipelines/{name}.yaml")
 
 
-@new_app.command("algorithm")
+@new_app.command("algorithm", cls=Command)
 def new_algorithm(name: Name, into: Into = Path(".")) -> None:
     """An algorithm plugin: a FedAvg-like starting point (local SGD on every parameter; personal parts kept, shared
     parts averaged), a pipeline and a search over its learning rate, tests."""
     _new("algorithm", name, into)
 
 
-@new_app.command("model")
+@new_app.command("model", cls=Command)
 def new_model(name: Name, into: Into = Path(".")) -> None:
     """A model plugin: a Net(body, head) subclass with one option (its width), a pipeline, tests."""
     _new("model", name, into)
 
 
-@new_app.command("source")
+@new_app.command("source", cls=Command)
 def new_source(name: Name, into: Into = Path(".")) -> None:
     """A dataset source plugin: Gaussian clusters over natural clients (replace `load` with reading your data), a
     pipeline, tests."""

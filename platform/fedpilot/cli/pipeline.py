@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +31,7 @@ from fedpilot.cli.common import (
     slurm_flags,
     unreachable,
 )
+from fedpilot.cli.display import on_terminal, step
 from fedpilot.errors import SpecError, StageFailed, UserError, within
 from fedpilot.jobs.result_file import write_result
 
@@ -41,9 +43,10 @@ def validate(
     full: Annotated[bool, typer.Option("--full", help="Print the whole resolved spec (every default filled in, "
                                                       "without keys that do not apply).")] = False,
 ) -> None:
-    """Compose and validate a pipeline and run every check a run would (it builds the dataset, into the cache; a
-    built-in model's options are checked by their schema, and the model is built only where a check needs its
-    parameters); print a summary of what will run (--full: the resolved spec) or the first error."""
+    """Check a pipeline as a run would and say what will run (--full: the resolved spec), or the first error.
+
+    It builds the dataset into the cache; a built-in model's options are checked by their schema, and the model is
+    built only where a check needs its parameters."""
     from omegaconf import OmegaConf
 
     from fedpilot.cli.data import build_progress
@@ -76,10 +79,11 @@ UseCache = Annotated[bool, typer.Option(help="Reuse finished stages from the sta
 def run(
     pipeline: Annotated[Path | None, typer.Argument(help="Pipeline YAML file (not needed with --resume).")] = None,
     overrides: Overrides = None, resume: Resume = None, cache_dir: CacheDir = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = True, cache: UseCache = True,
+    progress: Annotated[bool, typer.Option(help="A progress bar per stage (on a terminal).")] = True,
+    cache: UseCache = True,
     result_file: ResultFile = None,
 ) -> None:
-    """Run a pipeline's stages in order, recording everything in MLflow; ends with `run_id: <parent run id>`.
+    """Run a pipeline's stages in order, recorded in MLflow; ends with `run_id: <parent run id>`.
 
     Ctrl+C or SIGTERM stop it after the current round with a checkpoint (its runs are KILLED); `--resume RUN_ID`
     continues from there."""
@@ -133,13 +137,17 @@ def _runner(pipeline: Path | None, overrides: list[str], resume: str | None, cac
     elif pipeline is None:
         raise SpecError("pipeline", None, "give a pipeline file (or --resume RUN_ID)")
     else:
-        spec = load_pipeline(pipeline, overrides)
+        with step("checking the pipeline"):
+            spec = load_pipeline(pipeline, overrides)
     check_tracking(spec.tracking.uri, reach=True)
-    from fedpilot.pipeline.progress import quiet_lightning
-    from fedpilot.pipeline.runner import PipelineRunner
+    with step("loading torch, Lightning and MLflow"):
+        from fedpilot.pipeline.progress import quiet_lightning
+        from fedpilot.pipeline.runner import PipelineRunner
 
     quiet_lightning()
-    return spec, PipelineRunner(spec, cache_dir=root, progress=progress, use_cache=cache)
+    with step("building the federation and the model, opening the tracking store"):
+        return spec, PipelineRunner(spec, cache_dir=root, progress=progress and on_terminal(sys.stderr),
+                                    use_cache=cache)
 
 
 def format_outcomes(stages: list, metric: str) -> str:
@@ -161,28 +169,28 @@ def format_outcomes(stages: list, metric: str) -> str:
 def where_to_look(uri: str, experiment_id: str, run_id: str, report: bool) -> str:
     """The run's page in the MLflow UI and its report (a file when the artifacts are local)."""
     from fedpilot.report import REPORT_ARTIFACT
+    from fedpilot.settings import UI_PORT
     from fedpilot.tracking import local_artifact, ui_url
 
     page = ui_url(uri, experiment_id, run_id)
-    browse = f"browse: {page}" if uri.startswith(("http://", "https://")) else f"browse: {program()} ui, then {page}"
+    served = uri.startswith(("http://", "https://"))  # else `fedpilot ui` serves the store, on its default port
+    browse = f"browse: {page}" if served else f"browse ({program()} ui --port {UI_PORT} first):\n  {page}"
     if not report:
         return browse
     path = local_artifact(uri, run_id, REPORT_ARTIFACT)
     return f"{browse}\nreport: {path or ui_url(uri, experiment_id, run_id, REPORT_ARTIFACT)}"
 
 
-SetFile = Annotated[Path | None, typer.Argument(help="Comparison set YAML, e.g. pipelines/compare/digits-k2.yaml (not "
-                                                   "needed with --resume).")]
-Tune = Annotated[int | None, typer.Option(help="Tune every pipeline first: one Optuna study of N finished trials each "
-                                               "(the set's `tune:` block, with trials N).")]
-Untuned = Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written on the "
-                                                         "comparison's seeds (default vs tuned).")]
-ResumeComparison = Annotated[str | None, typer.Option("--resume", help="Go on with a stopped or killed comparison (its "
-                                                                       "MLflow run id); the same command does too.")]
-Storage = Annotated[str | None, typer.Option(help="Database of the tuning studies and of who runs what (default "
-                                                  "$FEDPILOT_DB or sqlite:///fedpilot.db).")]
-Heartbeat = Annotated[int, typer.Option(help="Heartbeat of trials and claimed runs (1 to 86400); a process silent for "
-                                             "3 heartbeats has its work taken over.")]
+SetFile = Annotated[Path | None, typer.Argument(help="Set YAML, e.g. pipelines/compare/digits-k2.yaml (none with "
+                                                   "--resume).")]
+Tune = Annotated[int | None, typer.Option(help="Tune each pipeline first: an Optuna study of N finished trials.")]
+Untuned = Annotated[bool, typer.Option("--untuned", help="With tuning, also run each pipeline as written.")]
+ResumeComparison = Annotated[str | None, typer.Option("--resume", help="Go on with a stopped comparison (its run id; "
+                                                                       "rerunning the command does too).")]
+Storage = Annotated[str | None, typer.Option(help="Database of studies and leases (default $FEDPILOT_DB, else "
+                                                  "sqlite:///fedpilot.db).")]
+Heartbeat = Annotated[int, typer.Option(help="Seconds between heartbeats (1-86400, default 10); 3 missed: the work "
+                                             "is taken over.", show_default=False)]
 Trials = Annotated[int | None, typer.Option(help="Finished trials the study should have in total (default: the search "
                                                  "block's `trials`).")]
 Study = Annotated[str | None, typer.Option(help="Study name (default: the search block's `study`, else the pipeline "
@@ -196,8 +204,10 @@ def search(
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
-    """Tune a pipeline with Optuna: run trials until the study has --trials finished ones; ends with run_id. With
-    `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are printed)."""
+    """Tune a pipeline with Optuna until its study has --trials finished trials; ends with `run_id`.
+
+    With `--to slurm --parallel N`, N trial workers share the study as a Slurm job array (their job ids are
+    printed)."""
     from fedpilot.settings import SQL_INT_MAX, check_output
 
     try:  # the options, before anything (errors here are not written to the result file: it may have no folder)
@@ -284,19 +294,18 @@ def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int |
 
 def compare(
     set_file: SetFile = None, overrides: Overrides = None,
-    seeds: Annotated[int | None, typer.Option(help="Run seeds 0..N-1 instead of the set's seeds.")] = None,
+    seeds: Annotated[int | None, typer.Option(help="Seeds 0..N-1 instead of the set's.")] = None,
     tune: Tune = None, untuned: Untuned = False, resume: ResumeComparison = None, storage: Storage = None,
-    cache_dir: CacheDir = None, progress: Annotated[bool, typer.Option(help="Show a progress bar per stage.")] = False,
+    cache_dir: CacheDir = None,
+    progress: Annotated[bool, typer.Option("--progress", help="Each stage's round bar in place of the "
+                                                              "comparison's display (on a terminal).")] = False,
     heartbeat_seconds: Heartbeat = 10, result_file: ResultFile = None, to: To = None, parallel: Parallel = 1,
     partition: Partition = None, gpus: Gpus = None, cpus: Cpus = None, mem: Mem = None, time: Time = None,
     account: Account = None, qos: Qos = None,
 ) -> None:
-    """Run a named set of pipelines over N seeds (with --tune N, each at its best first, chosen on the validation
-    split of seeds the comparison does not use); print and record (MLflow) the table of per-client test accuracy
-    (mean, p10; mean and sd over seeds; paired differences with the baseline), each client's change against the
-    baseline on each seed and the clients helped / hurt on every seed, what each study chose, and a report
-    (report.html); ends with run_id. Stopped or killed, the same command (or --resume RUN_ID) goes on from what is
-    done; --to queue|slurm --parallel N leaves the work to N jobs."""
+    """Run a set of pipelines over seeds against its baseline, print and record the table; ends with `run_id`.
+
+    With `--tune N` each is tuned first, on seeds it is not judged on. Stopped, the same command goes on."""
     from fedpilot.data.federated import staging
     from fedpilot.settings import SQL_INT_MAX, check_output, platform_db
 
@@ -334,9 +343,11 @@ def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, p
     tuned = f", each tuned over {plan.comparison.tune.trials} trials" if plan.tuning else ""
     typer.echo(f"comparison {plan.comparison.name}: {len(plan.specs)} pipelines x seeds {plan.seeds}{tuned}; "
                f"run {run_id}")
+    display = comparison_display(plan, live=on_terminal(sys.stdout) and not progress)
     try:
-        with reporting(result_file):
-            result = run_comparison(plan, storage_url, root, progress, typer.echo, run_id, heartbeat)
+        with reporting(result_file), display.shown():
+            result = run_comparison(plan, storage_url, root, progress and on_terminal(sys.stderr), display.echo,
+                                    run_id, heartbeat, display.event)
     except Stopped as stop:
         typer.echo(f"\nstopped; continue with: {program()} compare --resume {run_id}", err=True)
         raise typer.Exit(stop.code) from None
@@ -345,6 +356,17 @@ def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, p
     typer.echo("\n" + result.table)
     typer.echo(where_to_look(result.tracking_uri, result.experiment_id, result.run_id, report=True))
     typer.echo(f"run_id: {result.run_id}")
+
+
+def comparison_display(plan: Any, live: bool) -> Any:
+    """The display of a comparison's work (cli.display): rich's on a terminal (`live`), else plain lines."""
+    from fedpilot.cli.display import LiveDisplay, PlainDisplay, Standing
+
+    objective = next(iter(plan.tuning.values())).search.objective[0] if plan.tuning else None
+    standing = Standing(list(plan.specs), {name: spec.search.trials for name, spec in plan.tuning.items()},
+                        len(plan.comparison.tuning_seeds()) if plan.tuning else 0,
+                        objective.metric if objective else "", objective is None or objective.direction == "maximize")
+    return LiveDisplay(standing, f"comparison {plan.comparison.name}") if live else PlainDisplay(standing)
 
 
 def _elsewhere(to: str | None, parallel: int) -> Any:
@@ -414,8 +436,13 @@ def _comparison_plan(set_file: Path | None, overrides: list[str], seeds: int | N
     if set_file is None:
         raise SpecError("set", None, "give a comparison set file (or --resume RUN_ID)")
     from fedpilot.compare.plan import load_plan
-    from fedpilot.compare.run import prepare_plan
 
-    plan = load_plan(set_file, seeds, overrides, tune, untuned)
-    prepare_plan(plan, root)
+    with step("checking the set and its pipelines"):
+        plan = load_plan(set_file, seeds, overrides, tune, untuned)
+    with step("loading torch, Lightning, MLflow and Optuna"):
+        from fedpilot.compare.run import prepare_plan
+    count = sum(len(by_seed) for by_seed in plan.specs.values()) + len(plan.tuning) * len(
+        plan.comparison.tuning_seeds())
+    with step(f"checking {count} (pipeline, seed) pairs as a run would, building their federations"):
+        prepare_plan(plan, root)
     return plan, root

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from fedpilot.compare.events import Event
 from fedpilot.compare.federation import build_all, check_disjoint, fingerprints
 from fedpilot.compare.plan import Plan
 from fedpilot.compare.record import ComparisonResult, assemble
@@ -42,16 +43,18 @@ def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str]
 
 def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, progress: bool = False,
                    echo: Callable[[str], None] = print, run_id: str | None = None,
-                   heartbeat_seconds: int = 10) -> ComparisonResult:
+                   heartbeat_seconds: int = 10, events: Callable[[Event], None] = lambda event: None
+                   ) -> ComparisonResult:
     """Do the comparison's work in this process until every unit is done, then its table (assembled by the first
     process to get there; the others read it). The run is RUNNING meanwhile; a stop or failure here marks it KILLED
-    or FAILED, and running the same command (or --resume) goes on from what is done."""
+    or FAILED, and running the same command (or --resume) goes on from what is done. `events` hears where the
+    work stands (compare.events)."""
     tracker, run_id = comparison_run(plan, run_id)
     if tracker.client.get_run(run_id).info.status == "FINISHED":  # --resume of a comparison that is done
         return finished_result(tracker, run_id)
     tracker.client.update_run(run_id, status="RUNNING")
     try:
-        work = Work(plan, run_id, tracker, storage_url, cache_dir, progress, echo, heartbeat_seconds)
+        work = Work(plan, run_id, tracker, storage_url, cache_dir, progress, echo, heartbeat_seconds, events)
         work.run()
         lease = NamedLease(work.database, f"compare:{run_id}:assemble", 3 * heartbeat_seconds)
         lease.acquire(POLL_SECONDS)

@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import optuna
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
+from fedpilot.compare.events import Event, RunDone, RunStarted, StudyStarted, TrialDone, UnitsDone
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.db import connect, engine_options
 from fedpilot.errors import NoSuchRun, StageFailed
@@ -127,9 +129,11 @@ class Work:
     its study (when tuned), then its runs, until every unit of the plan is done."""
 
     def __init__(self, plan: Plan, run_id: str, tracker: Tracker, storage_url: str, cache_dir: Path | None = None,
-                 progress: bool = False, echo: Callable[[str], None] = print, heartbeat_seconds: int = 10):
+                 progress: bool = False, echo: Callable[[str], None] = print, heartbeat_seconds: int = 10,
+                 events: Callable[[Event], None] = lambda event: None):
         self.plan, self.run_id, self.tracker, self.storage_url = plan, run_id, tracker, storage_url
         self.cache_dir, self.progress, self.echo, self.heartbeat = cache_dir, progress, echo, heartbeat_seconds
+        self.events = events  # where it stands, for the command's display (compare.events)
         self.database = connect(storage_url, "--storage")
         with schema_init_lock(storage_url):
             self.storage = RDBStorage(storage_url, engine_kwargs=engine_options(storage_url)) if plan.tuning else None
@@ -147,6 +151,8 @@ class Work:
         while True:
             done = finished_runs(self.tracker, self.run_id)
             left = [u for u in self.units if u not in done]
+            self.events(UnitsDone(len(self.units) - len(left), len(self.units),
+                                  tuple(p for p in self.plan.tuning if self.studied(p))))
             if not left:
                 return
             busy = False
@@ -199,7 +205,12 @@ class Work:
                            noise=tuple(self.plan.comparison.noise_seeds()),
                            first=self.plan.first_trial(pipeline), wait=False, report=False,
                            attrs={"mlflow_comparison_run": self.run_id, "comparison": self.plan.comparison.name,
-                                  "pipeline": pipeline, "tracking_uri": self.tracker.uri})
+                                  "pipeline": pipeline, "tracking_uri": self.tracker.uri},
+                           callbacks=(lambda study, trial: self.events(TrialDone(
+                               pipeline, trial.number, trial.value if trial.state == TrialState.COMPLETE else None)),))
+        best = self.summary(pipeline).best
+        self.events(StudyStarted(pipeline, sum(t.state.name in FINISHED for t in trials),
+                                 spec.search.trials, best if np.isfinite(best) else None))
         self.echo(f"tuning {pipeline}: study {spec.search.study}, space {', '.join(spec.search.space)}")
         Search(spec, self.storage_url, spec.search.trials, spec.search.study, self.cache_dir,
                self.heartbeat, self.echo, scope).run()
@@ -237,15 +248,18 @@ class Work:
                     "fedpilot.seed": str(unit.seed)}
             variant = f" {unit.variant}" if self.plan.tuning else ""
             label = f"seed {unit.seed} {unit.pipeline}{variant}"
+            self.events(RunStarted(unit.pipeline, unit.seed, unit.variant))
             try:
                 result = runner.run(parent=self.run_id, tags=tags, name=f"{unit.pipeline} seed {unit.seed}{variant}")
             except StageFailed as err:  # diverged: recorded FAILED for good; the seed has no score
                 self.echo(f"{label}: {err}")
+                self.events(RunDone(unit.pipeline, unit.seed, unit.variant, None))
                 return True
         metrics = result.stages[-1].metrics
         metric = runner.task.primary
         self.echo(f"{label}: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in (f"test_{metric}_mean",
                                                                              f"test_{metric}_p10") if k in metrics))
+        self.events(RunDone(unit.pipeline, unit.seed, unit.variant, metrics.get(f"test_{metric}_mean")))
         return True
 
     def _close_orphans(self, unit: Unit) -> None:

@@ -258,7 +258,7 @@ def test_bad_params_and_a_stage_without_prepare_model_are_refused():
 def test_the_report_draws_the_steps_spread_round_by_round():
     import pandas as pd
 
-    from fedpilot.report.figures import cohort_figure
+    from fedpilot.report.curves import cohort_figure
     from fedpilot.report.runs import PipelineRun, Stage
 
     rounds = pd.RangeIndex(1, 4)

@@ -106,9 +106,9 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
     assert "bootstrap over seeds and clients" in page and "percentage points" in page  # the forest plot
     assert cli("report", run.info.run_id, "-o", str(workdir / "pair.html"))[0] == 0
     assert figure in (workdir / "pair.html").read_text()
-    # a pipeline's report: the change of each client in its second stage, as a violin
+    # a pipeline's report: the change of each client in its second stage, as a dot plot
     pipeline_page = build(client, [run.data.tags["run.other.2"]])
-    assert "Change per client by stage" in pipeline_page and '"type":"violin"' in pipeline_page
+    assert "Change per client by stage" in pipeline_page and '"type":"violin"' not in pipeline_page
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -54,7 +54,7 @@ def test_report_table_sorts_by_each_column_and_sizes_read_as_bytes():
 
 
 def test_report_shows_each_stages_change_per_client_and_the_novel_and_selected_numbers_where_recorded():
-    """The violin of a stage holds its participating clients' change against the stage before (novel rows left
+    """The dot plot of a stage holds its participating clients' change against the stage before (novel rows left
     out); the stage table gains the novel clients, the gap and the selected models only where a stage recorded them."""
     table = pd.DataFrame({"client": [0, 1, 2, 3], "name": ["a", "b", "c", "n"], "test_acc": [0.5, 0.75, 1.0, 0.25],
                           "previous_test_acc": [0.25, 1.0, 1.0, 0.0], "novel": [False, False, False, True]})
@@ -67,8 +67,8 @@ def test_report_shows_each_stages_change_per_client_and_the_novel_and_selected_n
     stages = [Stage("pretrain", "s0", "miss", first, clients.drop(columns="previous_test_acc"), {}),
               Stage("finetune", "s1", "miss", last, clients, {})]
     run = PipelineRun("r", "small", "1", stages, "small")
-    violins = change_figure([run]).data
-    assert [v.type for v in violins] == ["violin"] and list(violins[0].y) == [0.25, -0.25, 0.0]
+    dots = change_figure([run]).data
+    assert [v.type for v in dots] == ["scatter"] and list(dots[0].customdata) == [0.25, -0.25, 0.0]
     shown = summary_table([run]).set_index("stage")
     assert shown.loc["finetune", ["novel mean", "novel p10", "participation gap", "selected mean", "kept personal"]
                       ].tolist() == ["0.375", "0.125", "+0.125", "0.875", "25%"]

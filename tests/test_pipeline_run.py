@@ -147,7 +147,8 @@ def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
     assert later.bytes < memory.bytes - 100 * 2**20
 
 
-def test_the_progress_bar_says_when_the_first_round_times_the_executors(workdir):
+def test_the_progress_bar_says_when_the_first_round_times_the_executors(workdir, monkeypatch):
+    monkeypatch.setattr("fedpilot.cli.pipeline.on_terminal", lambda stream: True)  # the bars are a terminal's only
     spec = {**SMALL, "stages": [SMALL["stages"][0], {**SMALL["stages"][1], "execution": "loop"}]}
     code, output = cli("run", str(write_pipeline(workdir, spec)))
     assert code == 0, output

@@ -80,9 +80,10 @@ def _changed_params(algorithm: Algorithm, params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items() if defaults.get(k) != v)
 
 
-def summary(spec: PipelineSpec, n_clients: int | None) -> str:
+def summary(spec: PipelineSpec, n_clients: int | None, hint: bool = True) -> str:
     """What will run: the data and model, then per stage its algorithm, rounds, cohort, local work, personal
-    parameters and the algorithm parameters set away from their defaults (`n_clients` None: data not reachable)."""
+    parameters and the algorithm parameters set away from their defaults (`n_clients` None: data not reachable);
+    `hint`: where the whole resolved spec is (`validate --full`)."""
     d, options = spec.dataset, " ".join(f"{k}={v}" for k, v in spec.model.options.items())
     kind = d.partition.kind
     partition = " ".join([kind, *(f"{k}={getattr(d.partition, k)}" for k in PARTITION_KEYS[kind]
@@ -102,5 +103,5 @@ def summary(spec: PipelineSpec, n_clients: int | None) -> str:
                      _personal(spec, i, algorithm), _changed_params(algorithm, stage.params)])
     lines += aligned(rows, right=(2, 3))
     lines += ["", f"every client is evaluated on its val split every {spec.evaluation.every} rounds, and on val and "
-              "test at each stage's end", "the whole resolved spec: --full"]
+              "test at each stage's end", *(["the whole resolved spec: --full"] if hint else [])]
     return "\n".join(lines)

@@ -41,7 +41,7 @@ COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipelin
 CACHE_SOURCE_TAG = "fedpilot.cache_source"  # a stage reused from the cache: the run that trained it
 ERROR_TAG = "fedpilot.error"  # a FAILED or KILLED run: the error's type and message
 RESUMABLE_TAG = "fedpilot.resumable"  # "false" on a run that failed for good (a stage diverged): --resume refuses it
-SPEC_ARTIFACT, CLIENTS_TABLE = "pipeline.json", "clients.json"
+SPEC_ARTIFACT, CLIENTS_TABLE, DATASET_ARTIFACT = "pipeline.json", "clients.json", "dataset.json"
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
 NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page
 MAX_RUN_NAME = 250
@@ -98,6 +98,11 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def set_params(spec: dict[str, Any]) -> dict[str, str]:
+    """A (resolved) spec as MLflow params: dotted keys, stages by index, without the keys left unset (null)."""
+    return {key: value for key, value in flatten(spec).items() if value != "null"}
+
+
 def close_orphans(uri: str, run_id: str, reason: str) -> None:
     """A run whose process died, and its nested runs (stages; a search's trials and theirs): those still RUNNING
     become KILLED with `reason` as their `fedpilot.error` tag, so no run is left RUNNING for ever."""
@@ -136,19 +141,17 @@ class Tracker:
 
     # ---- runs ------------------------------------------------------------------------------------------------
     def start_pipeline(self, spec: dict[str, Any], dataset: dict[str, Any], checkpoints: str,
-                       tags: dict[str, str] | None = None, name: str | None = None) -> str:
-        """The parent run, named `name` (default: the pipeline's): the resolved spec as params and artifact, the
-        dataset summary and fingerprint."""
+                       tags: dict[str, str] | None = None, name: str | None = None,
+                       applies: dict[str, Any] | None = None) -> str:
+        """The parent run, named `name` (default: the pipeline's): the resolved spec as artifact, what of it applies
+        (`applies`, default all of it) as params, the dataset summary and fingerprint."""
         run = self.client.create_run(self.experiment_id, run_name=(name or spec["name"])[:MAX_RUN_NAME], tags={
             PIPELINE_TAG: spec["name"], "fedpilot.checkpoints": checkpoints,
             "fedpilot.dataset_fingerprint": dataset["fingerprint"], **(tags or {})})
         run_id = run.info.run_id
-        params = flatten({k: v for k, v in spec.items() if k != "stages"})
-        params.update({f"stages.{i}.{k}": v for i, stage in enumerate(spec["stages"])
-                       for k, v in flatten(stage).items()})
-        self.log_params(run_id, params)
+        self.log_params(run_id, set_params(applies or spec))
         self.client.log_dict(run_id, spec, SPEC_ARTIFACT)
-        self.client.log_dict(run_id, dataset, "dataset.json")
+        self.client.log_dict(run_id, dataset, DATASET_ARTIFACT)
         return run_id
 
     def start_stage(self, parent: str, index: int, name: str, algorithm: str, tags: dict[str, str]) -> str:

@@ -17,6 +17,7 @@ from mlflow.entities import Run
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, federation_note, participating, seed_counts
 from fedpilot.compare.federation import federation_line, recorded_fingerprints
+from fedpilot.compare.note import comparison_note
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.compare.work import Unit, Work, finished_runs
 from fedpilot.metric_names import higher_is_better, scores_of
@@ -26,7 +27,7 @@ from fedpilot.stats.scores import sample_steps, summarize
 from fedpilot.stats.study import StudySummary
 from fedpilot.stats.table import format_counts, format_table, format_tuning, format_verdicts
 from fedpilot.stats.verdicts import method, optimism, verdicts
-from fedpilot.tracking import STAGE_TAG, Tracker
+from fedpilot.tracking import NOTE_TAG, STAGE_TAG, Tracker
 
 
 @dataclass
@@ -214,6 +215,7 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, found: Sta
                               for seed, rid in by_seed.items()})
     tracker.client.log_table(run_id, found.changes.to_dict(orient="list"), CHANGES_TABLE)
     tracker.client.log_text(run_id, table, "comparison.txt")
+    tracker.set_tags(run_id, {NOTE_TAG: comparison_note(plan, table)})
     objective = next(iter(plan.tuning.values())).search.objective[0].metric if plan.tuning else None
     tracker.client.log_dict(run_id, {
         "baseline": plan.baseline, "metric": plan.metric, "seeds": plan.seeds, "federation": federation,

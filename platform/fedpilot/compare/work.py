@@ -22,6 +22,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from fedpilot.compare.events import Event, RunDone, RunStarted, StudyStarted, TrialDone, UnitsDone
+from fedpilot.compare.note import comparison_params
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.db import connect, engine_options
 from fedpilot.errors import NoSuchRun, StageFailed
@@ -73,11 +74,7 @@ def start_run(tracker: Tracker, plan: Plan) -> str:
     comparison = plan.comparison
     run_id = tracker.client.create_run(tracker.experiment_id, run_name=f"compare-{comparison.name}", tags={
         COMPARE_TAG: comparison.name, "fedpilot.baseline": plan.baseline, KEY_TAG: plan.key}).info.run_id
-    tune = comparison.tune
-    tracker.log_params(run_id, {"seeds": plan.seeds, "baseline": plan.baseline, "pipelines": list(plan.specs),
-                                "overrides": comparison.overrides, "shared_stages": plan.shared,
-                                **({f"tune.{k}": v for k, v in tune.model_dump(mode="json").items()} if tune else {}),
-                                **({"tune.seeds": comparison.tuning_seeds()} if tune else {})})
+    tracker.log_params(run_id, comparison_params(plan))
     tracker.client.log_dict(run_id, plan.to_json(), PLAN_ARTIFACT)
     return run_id
 

@@ -28,6 +28,8 @@ from fedpilot.errors import StageFailed
 from fedpilot.models.options import MODELS
 from fedpilot.models.split import ParamSplit, apply_split
 from fedpilot.names import safe_path
+from fedpilot.overview import applicable
+from fedpilot.overview import summary as what_runs
 from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
@@ -38,7 +40,7 @@ from fedpilot.report import log_report
 from fedpilot.report.pipeline_page import pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, flatten
+from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, set_params
 
 
 @dataclass
@@ -78,6 +80,7 @@ class PipelineRunner:
             self.participants, self.novel, self.novel_tensors = (prepared.participants, prepared.novel,
                                                                  prepared.novel_tensors)
             self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
+        self.applies = applicable(spec)  # the spec's keys that apply, which its runs log as params
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks = extra_callbacks or (lambda round_offset: [])
@@ -101,7 +104,8 @@ class PipelineRunner:
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
-                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra, name), {}
+                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra, name,
+                self.applies), {}
         self.run_id = parent = run_id
         started(run_id)
         if not resume and self.data.folder is not None and (self.data.folder / "tokenizer.json").is_file():
@@ -114,7 +118,8 @@ class PipelineRunner:
                        for o in outcomes]
             self.tracker.log_pipeline_results(parent, {o.name: o.primary["test"] for o in outcomes}, summary,
                                               spec.tracking.plots, self.task.primary)
-            self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes])})
+            self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes],
+                                                                   what_runs(spec, self.data.n_clients, hint=False))})
             if with_report:
                 log_report(self.tracker.client, parent)
             self.tracker.finish(parent)
@@ -218,7 +223,7 @@ class PipelineRunner:
         checkpoints = self._checkpoints(parent, index)
         last = checkpoints / "last.ckpt"
         if not resuming:
-            self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+            self.tracker.log_params(run_id, set_params(self.applies["stages"][index]))
         callbacks = [RoundMetrics(self.tracker, run_id), *self.extra_callbacks(offset), CheckpointOnStop(last)]
         if self.progress:
             callbacks.append(RoundProgress(f"[{index + 1}/{len(self.spec.stages)}] {name}"))
@@ -253,7 +258,7 @@ class PipelineRunner:
             return self._record(index, run_id, cache, stage, split, cached["peak_memory_bytes"], before)
         run_id = self.tracker.start_stage(parent, index, spec_stage.name, spec_stage.algorithm, {
             CACHE_TAG: "hit", "fedpilot.cache_key": key, "fedpilot.cache_source": cached["run_id"]})
-        self.tracker.log_params(run_id, flatten(self.spec.resolved()["stages"][index]))
+        self.tracker.log_params(run_id, set_params(self.applies["stages"][index]))
         self.tracker.log_history(run_id, stage.history)
         return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
 

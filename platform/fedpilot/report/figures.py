@@ -10,15 +10,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from fedpilot.metric_names import (
-    COHORT,
-    COHORT_STATS,
-    FOOTPRINT_LABELS,
-    footprint_label,
-    higher_is_better,
-    metric_label,
-)
-from fedpilot.report.runs import PipelineRun, Stage, curve_keys
+from fedpilot.metric_names import FOOTPRINT_LABELS, footprint_label, higher_is_better, metric_label
+from fedpilot.report.runs import PipelineRun, Stage
 
 COLORS = qualitative.Plotly
 PATTERNS = ("", "/", "x", ".", "+", "-")  # a stage's bars when a colour stands for a run
@@ -137,98 +130,70 @@ def _points(frame: pd.DataFrame, name: str, color: str, legend: bool) -> go.Scat
                       hovertemplate="%{text}<br>before %{x:.3f}, after %{y:.3f}<extra></extra>")
 
 
+DOT_BINS = 40  # a dot plot stacks each value's clients; more distinct values than this are binned first
+
+
+def dot_heights(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A dot plot of `values`: each value's x (itself, or its bin's centre when there are more than DOT_BINS
+    distinct values) and its height, the clients at that x before it (1, 2, 3, ...)."""
+    x = np.asarray(values, dtype=float)
+    if len(np.unique(x)) > DOT_BINS:
+        edges = np.linspace(x.min(), x.max(), DOT_BINS + 1)
+        index = np.clip(np.digitize(x, edges) - 1, 0, DOT_BINS - 1)
+        x = (edges[index] + edges[index + 1]) / 2
+    return x, pd.Series(x).groupby(x).cumcount().to_numpy() + 1
+
+
 def change_figure(runs: list[PipelineRun]) -> go.Figure | None:
-    """Per stage from the second on, the distribution of its clients' change in test metric against the stage
-    before (Pillutla et al., ICML 2022, Fig. 7): a violin with its box and every client as a point; one colour per
-    run when several."""
+    """Per stage from the second on, each client's change in test metric against the stage before as a dot plot
+    (one dot per client, stacked at its value: a test split of a few samples gives a few values, drawn as they
+    are, not smoothed into a density); a row per run when several (Pillutla et al., ICML 2022, Fig. 7)."""
     metric = runs[0].metric
     column, before = f"test_{metric}", f"previous_test_{metric}"
-    fig = go.Figure()
-    for j, run in enumerate(runs):
-        for stage in run.stages:
-            if before not in stage.clients or column not in stage.clients:
-                continue
-            frame = stage.clients.dropna(subset=[column, before])
-            fig.add_trace(go.Violin(
-                x=[stage.name] * len(frame), y=frame[column] - frame[before], text=frame["name"].astype(str),
-                name=run.label if len(runs) > 1 else stage.name, legendgroup=run.run_id,
-                showlegend=len(runs) > 1 and stage is next(s for s in run.stages if before in s.clients),
-                line_color=COLORS[j % len(COLORS)], box_visible=True, meanline_visible=True, points="all",
-                pointpos=0, jitter=0.3, marker={"size": 4, "opacity": 0.6}, spanmode="hard",
-                hovertemplate="%{text}: %{y:+.3f}<extra>" + stage.name + "</extra>"))
-    if not fig.data:
-        return None
-    fig.add_hline(y=0, line={"color": "grey", "width": 1})
-    fig.update_layout(violinmode="group" if len(runs) > 1 else "overlay", showlegend=len(runs) > 1,
-                      xaxis_title="stage", yaxis_title=f"change in test {metric_label(metric)} per client")
-    return sized(fig, 420)
-
-
-def curves_figure(runs: list[PipelineRun]) -> go.Figure | None:
-    """Validation mean and p10 and the training loss over the pipeline's rounds (stages one after another)."""
-    keys = [k for k in curve_keys(runs[0].metric) if any(k in s.curves for r in runs for s in r.stages)]
-    if not keys:
-        return None
-    fig = make_subplots(1, len(keys), subplot_titles=keys)
-    for j, run in enumerate(runs):
-        offset = 0
-        for stage in run.stages:
-            for i, key in enumerate(keys):
-                series = stage.curves.get(key)
-                if series is not None and len(series):
-                    fig.add_trace(go.Scatter(x=series.index + offset, y=series.to_numpy(), mode="lines+markers",
-                                             name=run.label, legendgroup=run.run_id, line_color=COLORS[j % len(COLORS)],
-                                             showlegend=i == 0 and stage is run.stages[0],
-                                             hovertemplate=f"{stage.name} round %{{x}}: %{{y:.4f}}<extra>{run.label}"
-                                                           "</extra>"), 1, i + 1)
-            offset += int(stage.metrics.get("rounds", 0))
-            if j == 0 and stage is not run.stages[-1]:
-                fig.add_vline(x=offset, line={"dash": "dot", "color": "grey"}, annotation_text=stage.name,
-                              annotation_position="top left", annotation_font_color="grey")
-    fig.update_xaxes(title_text="round (stages one after another)")
-    return sized(fig, 380)
-
-
-def cohort_figure(runs: list[PipelineRun]) -> go.Figure | None:
-    """Per algorithm scalar (Self-FL's steps, pFedGate's densities), its spread over each round's cohort: the median,
-    the band from the 10th to the 90th percentile, and the least and largest (dotted), over the pipeline's rounds."""
-    names = sorted({k.removeprefix(f"{COHORT}_").rsplit("_", 1)[0] for r in runs for s in r.stages for k in s.curves
-                    if k.startswith(f"{COHORT}_")})
+    names = [n for n in _stage_names(runs) if any((s := _find(r, n)) and before in s.clients for r in runs)]
     if not names:
         return None
-    fig = make_subplots(1, len(names), subplot_titles=names)
+    titles = [f"{(r.label + ': ') if len(runs) > 1 else ''}{n}: {_change_counts(_find(r, n), column, before, metric)}"
+              for r in runs for n in names]
+    fig = make_subplots(len(runs), len(names), subplot_titles=titles, shared_xaxes=True, vertical_spacing=0.12)
     for j, run in enumerate(runs):
-        offset, color = 0, COLORS[j % len(COLORS)]
-        for stage in run.stages:
-            for i, name in enumerate(names):
-                lines = {stat: stage.curves.get(f"{COHORT}_{name}_{stat}") for stat in COHORT_STATS}
-                if lines["p50"] is None:
-                    continue
-                for stat, dash, fill in (("p10", None, None), ("p90", None, "tonexty"), ("p50", "solid", None),
-                                         ("min", "dot", None), ("max", "dot", None)):
-                    series = lines[stat]
-                    fig.add_trace(go.Scatter(
-                        x=series.index + offset, y=series.to_numpy(), mode="lines", fill=fill, name=run.label,
-                        line={"color": color, "dash": dash, "width": 2 if stat == "p50" else 1 if dash else 0},
-                        opacity=1 if dash else 0.3, legendgroup=run.run_id,
-                        showlegend=stat == "p50" and i == 0 and stage is run.stages[0],
-                        hovertemplate=f"{stage.name} round %{{x}}: {stat} %{{y:.4g}}<extra>{run.label}</extra>"),
-                        1, i + 1)
-            offset += int(stage.metrics.get("rounds", 0))
-    fig.update_xaxes(title_text="round (stages one after another)")
-    return sized(fig, 380)
+        for i, name in enumerate(names):
+            stage = _find(run, name)
+            if stage is None or before not in stage.clients:
+                continue
+            frame = stage.clients.dropna(subset=[column, before])
+            change = (frame[column] - frame[before]).to_numpy(dtype=float)
+            x, height = dot_heights(change)
+            fig.add_trace(go.Scatter(x=x, y=height, mode="markers", name=run.label, showlegend=False,
+                                     marker={"color": COLORS[j % len(COLORS)], "size": 7, "opacity": 0.8},
+                                     text=frame["name"].astype(str), customdata=change,
+                                     hovertemplate="%{text}: %{customdata:+.3f}<extra>" + name + "</extra>"),
+                          j + 1, i + 1)
+            fig.add_vline(x=0, line={"color": "grey", "width": 1}, row=j + 1, col=i + 1)
+            fig.update_xaxes(title_text=f"change in test {metric_label(metric)} per client", row=j + 1, col=i + 1)
+        fig.update_yaxes(title_text="clients", row=j + 1, col=1)
+    return sized(fig, 120 + 300 * len(runs))
+
+
+def _change_counts(stage: Stage | None, column: str, before: str, metric: str) -> str:
+    """How many clients a stage left better, worse and unchanged."""
+    if stage is None or before not in stage.clients:
+        return ""
+    frame = stage.clients.dropna(subset=[column, before]).rename(columns={before: "x", column: "y"})
+    return _counts(frame, metric)
 
 
 def footprint_figure(runs: list[PipelineRun]) -> go.Figure:
     """Bytes of each footprint (shared model, personal per client, bank, communication per round, measured peak,
-    estimate) per stage, on a log scale."""
+    estimate) per stage, on a log scale ticked in IEC units (KiB, MiB, GiB)."""
     keys = [k for k in FOOTPRINT_LABELS if any(k in s.metrics for r in runs for s in r.stages)]
     keys += sorted({k for r in runs for s in r.stages for k in s.metrics if "bytes" in k and "/" not in k
                     and not k.startswith("executor_")} - set(keys))  # the engine's own timing is not a footprint
-    fig = go.Figure()
+    fig, shown = go.Figure(), []
     for j, run in enumerate(runs):
         for i, stage in enumerate(run.stages):
             values = [stage.metrics.get(k) for k in keys]
+            shown += [v for v in values if v]
             fig.add_trace(go.Bar(x=[footprint_label(k) for k in keys], y=values,
                                  text=[human_bytes(v) if v else "" for v in values],
                                  textposition="outside" if len(runs) == 1 else "none",
@@ -236,8 +201,21 @@ def footprint_figure(runs: list[PipelineRun]) -> go.Figure:
                                  marker_color=None if len(runs) == 1 else COLORS[j % len(COLORS)],
                                  marker_pattern_shape=None if len(runs) == 1 else PATTERNS[i % len(PATTERNS)],
                                  hovertemplate="%{x}: %{text}<extra>%{fullData.name}</extra>"))
-    fig.update_layout(barmode="group", yaxis_type="log", yaxis_title="bytes (log scale)")
-    return sized(fig, 420)
+    fig.update_layout(barmode="group", yaxis_title="bytes (log scale; 1 KiB = 1024 B)")
+    fig.update_yaxes(type="log", **bytes_ticks(shown))
+    return sized(fig, 440)
+
+
+def bytes_ticks(values: list[float]) -> dict:
+    """A log axis's ticks at powers of 32 bytes (1 B, 32 B, 1 KiB, 32 KiB, 1 MiB, ...) around `values`, each
+    labelled in IEC units (plotly's own would read 1B for a billion, and mix decimal with binary units)."""
+    if not values:
+        return {}
+    low, high = np.log2(min(values)), np.log2(max(values))
+    powers = range(int(np.floor(low / 5)) * 5, int(np.ceil(high / 5)) * 5 + 1, 5)
+    ticks = [2.0 ** p for p in powers]
+    return {"tickvals": ticks, "ticktext": [human_bytes(t).replace(".0 ", " ") for t in ticks],
+            "range": [np.log10(ticks[0]), np.log10(ticks[-1] * 8)]}  # room above the bars for their labels
 
 
 def client_table(runs: list[PipelineRun]) -> pd.DataFrame:

@@ -16,8 +16,16 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.client_effects import participating
 from fedpilot.errors import NoSuchRun
-from fedpilot.metric_names import COHORT, HEADLINE_STATS, TASK_METRICS
-from fedpilot.tracking import CACHE_SOURCE_TAG, CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
+from fedpilot.metric_names import COHORT, TASK_METRICS
+from fedpilot.tracking import (
+    CACHE_SOURCE_TAG,
+    CACHE_TAG,
+    CLIENTS_TABLE,
+    DATASET_ARTIFACT,
+    PIPELINE_TAG,
+    SPEC_ARTIFACT,
+    STAGE_TAG,
+)
 
 # The per-client metrics any task records with their whole distribution, by name
 DISTRIBUTED = sorted({m for metrics in TASK_METRICS.values() for m, whole in metrics.items() if whole})
@@ -31,9 +39,13 @@ def primary_metric(keys: Iterable[str]) -> str:
     return "acc" if "acc" in found or not found else found[0]
 
 
+FAN = ("p10", "p25", "p50", "p75", "p90")  # the validation quantiles over clients a round's fan draws
+
+
 def curve_keys(metric: str) -> tuple[str, ...]:
-    """The series the report draws: the validation mean and p10 of the per-client metric, the training loss."""
-    return *(f"val_{metric}_{stat}" for stat in HEADLINE_STATS), "train_loss"
+    """The series the report draws: the per-client metric's validation mean and its quantiles over clients (the
+    fan), the training loss."""
+    return *(f"val_{metric}_{stat}" for stat in ("mean", *FAN)), "train_loss"
 
 
 @dataclass
@@ -53,6 +65,7 @@ class PipelineRun:
     experiment_id: str
     stages: list[Stage]
     label: str  # what tells it from the other runs of a report (legends, columns): its name, or see `labelled`
+    ran: str = ""  # what ran, as `fedpilot validate` says it (overview.summary); empty for a spec no longer valid
 
     @property
     def metric(self) -> str:
@@ -79,7 +92,26 @@ def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
     stages = [s for s in stages if not s.clients.empty]
     if not stages:
         raise NoSuchRun("RUN_ID", run_id, "no stage of this run has finished yet")
-    return PipelineRun(run_id, run.info.run_name, run.info.experiment_id, stages, run.info.run_name)
+    return PipelineRun(run_id, run.info.run_name, run.info.experiment_id, stages, run.info.run_name,
+                       what_ran(client, run_id))
+
+
+def what_ran(client: MlflowClient, run_id: str) -> str:
+    """The summary `fedpilot validate` prints of the run's recorded spec (data, model, per stage its algorithm,
+    rounds, cohort, local work and learning rate); empty when the spec is no longer valid (an older fedpilot)."""
+    from fedpilot.overview import summary
+    from fedpilot.spec import PipelineSpec
+
+    paths = {a.path for a in client.list_artifacts(run_id)}
+    if not {SPEC_ARTIFACT, DATASET_ARTIFACT} <= paths:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())
+        dataset = json.loads(Path(client.download_artifacts(run_id, DATASET_ARTIFACT, tmp)).read_text())
+    try:
+        return summary(PipelineSpec.from_dict(spec), dataset.get("clients"), hint=False)
+    except ValueError:  # UserError, pydantic's ValidationError: recorded by a fedpilot whose spec differed
+        return ""
 
 
 def short_keys(keys: list[str]) -> dict[str, str]:

@@ -61,6 +61,7 @@ def test_discrete_changes_are_stacked_dots_not_a_density():
     assert list(dots.x) == [0.25, 0.0, 0.0, 0.25] and list(dots.y) == [1, 1, 2, 2]
     assert figure.layout.annotations[0].text == "personalize: 2 better, 0 worse, 2 unchanged"
     assert figure.layout.xaxis.title.text == "change in test accuracy per client"
+    assert list(figure.layout.xaxis.tickvals) == [0.0, 0.25]  # the values there are, each a tick
     assert figure.layout.yaxis.title.text == "clients"
 
 

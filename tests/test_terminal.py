@@ -119,3 +119,13 @@ def test_help_is_grouped_in_panels_without_bool_types_or_backticks():
     compare = runner.invoke(app, ["compare", "--help"], env=WIDE).output
     assert "<bool>" not in compare and "`" not in compare and "--tune" in compare
     assert len(compare.splitlines()) <= 40, compare
+
+
+def test_dashboard_refuses_a_missing_database_and_a_bad_port_in_one_line(tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(app, ["dashboard", "--storage", f"sqlite:///{tmp_path}/none.db"])
+    assert missing.exit_code == 2 and missing.output.startswith(f"error: --storage='sqlite:///{tmp_path}/none.db': "
+                                                                "no such database: no study was made here yet")
+    assert not (tmp_path / "none.db").exists()
+    port = runner.invoke(app, ["dashboard", "--port", "0"])
+    assert port.exit_code == 2 and port.output.startswith("error: --port=0:"), port.output

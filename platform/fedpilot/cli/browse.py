@@ -107,5 +107,8 @@ def dashboard(
             raise SetupError("optuna-dashboard", None, "not installed: pip install 'fedpilot[dashboard]'") from None
     except UserError as err:
         fail(err)
-    typer.echo(f"Optuna dashboard for {hidden(url)} on http://{host}:{port}/dashboard  (Ctrl+C stops it)")
-    optuna_dashboard.run_server(url, host=host, port=port)
+    from fedpilot.dashboard import LabelledStudies
+
+    typer.echo(f"Optuna dashboard for {hidden(url)} on http://{host}:{port}/dashboard  (Ctrl+C stops it); a "
+               "comparison's studies are listed as <comparison>: <study>")
+    optuna_dashboard.run_server(LabelledStudies(url), host=host, port=port)

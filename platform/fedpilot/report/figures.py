@@ -170,7 +170,9 @@ def change_figure(runs: list[PipelineRun]) -> go.Figure | None:
                                      hovertemplate="%{text}: %{customdata:+.3f}<extra>" + name + "</extra>"),
                           j + 1, i + 1)
             fig.add_vline(x=0, line={"color": "grey", "width": 1}, row=j + 1, col=i + 1)
-            fig.update_xaxes(title_text=f"change in test {metric_label(metric)} per client", row=j + 1, col=i + 1)
+            values = np.unique(x)  # few values: each one a tick (steps of 1/4 with 4 test samples)
+            fig.update_xaxes(title_text=f"change in test {metric_label(metric)} per client", row=j + 1, col=i + 1,
+                             tickvals=values if len(values) <= 12 else None)
         fig.update_yaxes(title_text="clients", row=j + 1, col=1)
     return sized(fig, 120 + 300 * len(runs))
 

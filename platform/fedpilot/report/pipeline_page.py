@@ -123,7 +123,7 @@ def render(runs: list[PipelineRun], tracking_uri: str = "") -> str:
     ran = "\n\n".join((f"{r.label}:\n" if len(runs) > 1 else "") + r.ran for r in runs if r.ran)
     samples = samples_note(runs)
     sections = [
-        ("What ran", "The pipeline as `fedpilot validate` shows it: data, model, and per stage its algorithm, rounds, "
+        ("What ran", "The pipeline as fedpilot validate shows it: data, model, and per stage its algorithm, rounds, "
          "clients per round, local work and learning rate.", ran or None),
         ("Per-client test " + metric, HOW_TO_READ_STAGES.format(metric=metric) + " " + samples,
          stages.drop(columns=beyond)),

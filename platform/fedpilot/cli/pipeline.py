@@ -251,18 +251,22 @@ def _search(pipeline: Path, overrides: list[str], trials: int | None, storage: s
         check_name("--study", study)
     storage_url, _ = platform_db(storage, "--storage")
     root = check_cache(cache_dir)
-    spec = load_pipeline(pipeline, overrides)
+    with step("checking the pipeline"):
+        spec = load_pipeline(pipeline, overrides)
     if spec.search is None:
         raise SpecError("search", None, "the pipeline has no `search:` block (space, objective, trials)")
     check_tracking(spec.tracking.uri, reach=True)
     with staging():  # a new dataset becomes a cache entry once the study and its MLflow run exist
-        prepare(spec, root)  # every input check before the study and its MLflow run exist
-        from fedpilot.pipeline.progress import quiet_lightning
-        from fedpilot.tuning import Search, quiet_optuna
+        with step("building the federation, checking it as a run would"):
+            prepare(spec, root)  # every input check before the study and its MLflow run exist
+        with step("loading torch, Lightning, MLflow and Optuna"):
+            from fedpilot.pipeline.progress import quiet_lightning
+            from fedpilot.tuning import Search, quiet_optuna
 
         quiet_lightning()
         quiet_optuna()
-        return spec, Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
+        with step("opening the study and its MLflow run"):
+            return spec, Search(spec, storage_url, trials, study, root, heartbeat_seconds, typer.echo)
 
 
 def _search_elsewhere(pipeline: Path, overrides: list[str] | None, trials: int | None, storage: str | None,

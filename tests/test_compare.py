@@ -89,7 +89,8 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
         assert len(base) == 50
         recorded = changes[changes["seed"] == seed].set_index("client")["change"]
         assert recorded.sort_index().to_numpy() == pytest.approx((other - base).sort_index().to_numpy(), abs=1e-5)
-    counts = {k: metrics[f"other/clients_{k}"] for k in ("helped_every_seed", "hurt_every_seed", "mixed")}
+    counts = {k: metrics[f"other/clients_{k}"] for k in ("helped_every_seed", "hurt_every_seed",
+                                                           "unchanged_every_seed", "mixed")}
     assert counts == seed_counts(changes, ["other"], 3, higher=True)["other"]
     assert sum(counts.values()) == len(every_seed(changes, 3)) > 0
     assert "dataset.seed is unset" in output  # each seed draws its own shards: say that a name is other data
@@ -100,12 +101,13 @@ def test_compare_runs_every_pipeline_on_every_seed_and_records_the_paired_table(
         "\n", " ")
     # the comparison's report: the table, the clients sorted by mean change with their band, the counts
     page = Path(client.download_artifacts(run.info.run_id, REPORT_ARTIFACT, str(workdir))).read_text()
-    figure = (f"other: {counts['helped_every_seed']:.0f} helped on every seed, {counts['hurt_every_seed']:.0f} hurt "
-              f"on every seed, {counts['mixed']:.0f} mixed")
-    assert figure in page and "min-max over seeds" in page and "dataset.seed is unset" in page
+    # a client's name is other data on each seed (dataset.seed unset): its band is not drawn, the reason said first
+    assert "Not drawn: a client&#x27;s name is not the same data on every seed" in page
+    assert '"name":"min-max over seeds"' not in page
+    assert "<th>unchanged on every seed</th>" in page and f"<td>{counts['unchanged_every_seed']:.0f}</td>" in page
     assert "bootstrap over seeds and clients" in page and "percentage points" in page  # the forest plot
     assert cli("report", run.info.run_id, "-o", str(workdir / "pair.html"))[0] == 0
-    assert figure in (workdir / "pair.html").read_text()
+    assert "Not drawn: a client&#x27;s name" in (workdir / "pair.html").read_text()
     # a pipeline's report: the change of each client in its second stage, as a dot plot
     pipeline_page = build(client, [run.data.tags["run.other.2"]])
     assert "Change per client by stage" in pipeline_page and '"type":"violin"' not in pipeline_page
@@ -125,9 +127,10 @@ def test_bad_sets_exit_2_naming_the_key_and_record_nothing(workdir, changes, mes
     assert not (workdir / "mlflow.db").exists() or not MlflowClient().search_experiments(filter_string="name = 'pair'")
 
 
-def test_clients_helped_on_every_seed_hurt_on_every_seed_or_mixed():
-    """By name across seeds: a tie on one seed makes a client mixed, one missing on a seed is not counted, and
-    for an error (lower is better) helped and hurt trade places; the baseline gets no rows."""
+def test_clients_helped_on_every_seed_hurt_on_every_seed_unchanged_or_mixed():
+    """By name across seeds: a tie on one seed makes a client mixed, a tie on every seed unchanged, one missing on a
+    seed is not counted, and for an error (lower is better) helped and hurt trade places; the baseline gets no
+    rows."""
     values = {"base": {s: {"a": 0.5, "b": 0.5, "c": 0.5, "d": 0.5, "e": 0.5, "f": 0.5} for s in (0, 1, 2)},
               "p": {0: {"a": 0.75, "b": 0.25, "c": 0.75, "d": 0.75, "e": 1.0, "f": 1.0},
                     1: {"a": 1.0, "b": 0.25, "c": 0.25, "d": 0.5, "e": 1.0, "f": 1.0},
@@ -136,14 +139,17 @@ def test_clients_helped_on_every_seed_hurt_on_every_seed_or_mixed():
     assert list(changes.columns) == ["client", "pipeline", "seed", "change"] and set(changes["pipeline"]) == {"p"}
     assert changes.set_index(["client", "seed"])["change"][("a", 1)] == 0.5 and len(changes) == 17
     assert seed_counts(changes, ["p"], 3, higher=True)["p"] == {"helped_every_seed": 2, "hurt_every_seed": 1,
-                                                                "mixed": 2}
+                                                                "unchanged_every_seed": 0, "mixed": 2}
     assert seed_counts(changes, ["p"], 3, higher=False)["p"] == {"helped_every_seed": 1, "hurt_every_seed": 2,
-                                                                 "mixed": 2}
+                                                                 "unchanged_every_seed": 0, "mixed": 2}
     bands = every_seed(changes, 3)
     assert list(bands["client"]) == ["b", "c", "d", "a", "e"]  # sorted by mean change; f is not on every seed
     assert bands.set_index("client").loc["c", ["min", "max"]].tolist() == [-0.25, 0.25]
     values["p"][2]["b"] = 0.5  # b ties on seed 2: no longer hurt on every seed
     assert seed_counts(client_changes(values, "base"), ["p"], 3, higher=True)["p"]["hurt_every_seed"] == 0
+    values["p"] = {s: {**values["p"][s], "d": 0.5} for s in (0, 1, 2)}  # d ties on every seed: unchanged
+    assert seed_counts(client_changes(values, "base"), ["p"], 3, higher=True)["p"] == {
+        "helped_every_seed": 2, "hurt_every_seed": 0, "unchanged_every_seed": 1, "mixed": 2}
     assert "unset" in federation_note({"p": {0: None, 1: None}})
     assert "dataset.seed=0 on every seed" in federation_note({"p": {0: 0, 1: 0}, "q": {0: 0, 1: 0}})
 

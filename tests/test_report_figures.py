@@ -94,3 +94,26 @@ def test_the_page_states_what_ran_and_the_test_samples_per_client():
     assert "weighted: the mean weighted by each client&#x27;s test samples" in page
     assert "cache: hit = the stage was reused from the stage cache" in page
     assert "Measured peak: this process&#x27;s peak memory" in page and "Estimate: Pillutla et al." in page
+
+
+def test_the_comparison_draws_each_study_on_its_own_scale_from_trial_0_and_counts_unchanged_clients():
+    from fedpilot.report.comparison_page import ComparisonRun, band_figure, best_so_far_figure, counted
+
+    study = {"trials": 3, "pruned": 1, "improving_late": False}
+    record = {"objective": "val_acc_mean", "seeds": [0, 1], "baseline": "base", "federation": "dataset.seed is unset",
+              "tuning": {"base": {**study, "best_so_far": [0.9, 0.95, 0.95]},
+                         "other": {**study, "best_so_far": [0.1, 0.1, 0.2], "improving_late": True}}}
+    changes = pd.DataFrame({"client": ["a", "a"], "pipeline": ["other", "other"], "seed": [0, 1], "change": [0., 0.]})
+    counts = {"other": {"helped_every_seed": 0, "hurt_every_seed": 0, "unchanged_every_seed": 1, "mixed": 0}}
+    comparison = ComparisonRun("c", "pair", "1", record, "", changes, counts)
+    figure = best_so_far_figure(comparison)
+    assert [a.text for a in figure.layout.annotations] == ["base: 3 trials, 1 pruned", "other: 3 trials, 1 pruned"]
+    assert [t.yaxis for t in figure.data] == ["y", "y2"]  # one panel each: 0.9 does not squash 0.1 flat
+    assert list(figure.data[0].x) == [0, 1, 2] and figure.data[1].line.dash == "dash"
+    assert figure.layout.xaxis.title.text == "trial (0: as written)"
+    assert band_figure(comparison) is None  # a name is other data on each seed: not drawn
+    comparison.record["federation"] = "dataset.seed=0 on every seed: the same federation throughout"
+    assert band_figure(comparison).layout.annotations[0].text == \
+        "other: 0 helped, 0 hurt, 1 unchanged on every seed, 0 mixed"
+    assert counted({"helped_every_seed": 2, "hurt_every_seed": 1, "mixed": 3}) == \
+        "2 helped, 1 hurt on every seed, 3 mixed"  # a run recorded before unchanged was counted

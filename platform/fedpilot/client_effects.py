@@ -11,7 +11,9 @@ import numpy as np
 import pandas as pd
 
 CHANGES_TABLE = "clients_across_seeds.json"  # the comparison run's table: client, pipeline, seed, change
-COUNTS = ("helped_every_seed", "hurt_every_seed", "mixed")  # recorded as `<pipeline>/clients_<count>`
+# recorded as `<pipeline>/clients_<count>`; unchanged: the same value as with the baseline on every seed
+COUNTS = ("helped_every_seed", "hurt_every_seed", "unchanged_every_seed", "mixed")
+FIXED_NAMES = "on every seed: the same federation throughout"  # federation_note's words when a name is the same data
 
 
 def participating(clients: pd.DataFrame) -> pd.DataFrame:
@@ -46,7 +48,8 @@ def every_seed(changes: pd.DataFrame, seeds: int) -> pd.DataFrame:
 
 def seed_counts(changes: pd.DataFrame, pipelines: list[str], seeds: int, higher: bool) -> dict[str, dict[str, int]]:
     """Per pipeline, of the clients seen on all `seeds`: those better than the baseline on every seed (higher or
-    lower values, as `higher` says), worse on every seed, and the rest (a tie on a seed counts as neither)."""
+    lower values, as `higher` says), worse on every seed, tied with it on every seed (unchanged: with few test
+    samples, most clients of a saturated task), and the rest (mixed)."""
     bands = every_seed(changes, seeds)
     sign = 1.0 if higher else -1.0
     counts = {}
@@ -54,7 +57,9 @@ def seed_counts(changes: pd.DataFrame, pipelines: list[str], seeds: int, higher:
         rows = bands[bands["pipeline"] == pipeline]
         worst, best = (rows["min"], rows["max"]) if higher else (rows["max"], rows["min"])
         helped, hurt = int((sign * worst > 0).sum()), int((sign * best < 0).sum())
-        counts[pipeline] = dict(zip(COUNTS, (helped, hurt, len(rows) - helped - hurt), strict=True))
+        unchanged = int(((rows["min"] == 0) & (rows["max"] == 0)).sum())
+        counts[pipeline] = dict(zip(COUNTS, (helped, hurt, unchanged, len(rows) - helped - hurt - unchanged),
+                                    strict=True))
     return counts
 
 
@@ -67,8 +72,8 @@ def federation_note(dataset_seeds: dict[str, dict[int, int | None]]) -> str:
                 "a client's name denotes different data on each seed (the spread mixes the draw of the federation "
                 "with training's randomness). Hold the federation fixed with the override dataset.seed=0.")
     if len(fixed) == 1:
-        return (f"dataset.seed={fixed.pop()} on every seed: the same federation throughout, a client's name the same "
-                "data; only training's randomness varies (as in Pillutla et al., ICML 2022, Sec. C.3).")
+        return (f"dataset.seed={fixed.pop()} {FIXED_NAMES}, a client's name the same data; only training's "
+                "randomness varies (as in Pillutla et al., ICML 2022, Sec. C.3).")
     return ("dataset.seed differs between runs of the comparison (" + ", ".join(
         f"{p}: {sorted({str(s) for s in by_seed.values()})}" for p, by_seed in dataset_seeds.items()) +
             "): a client's name may denote different data on different seeds.")

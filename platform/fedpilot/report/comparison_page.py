@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from mlflow import MlflowClient
 from plotly.subplots import make_subplots
 
-from fedpilot.client_effects import CHANGES_TABLE, COUNTS, every_seed
+from fedpilot.client_effects import CHANGES_TABLE, COUNTS, FIXED_NAMES, every_seed
 from fedpilot.errors import NoSuchRun
 from fedpilot.metric_names import higher_is_better, metric_label
 from fedpilot.report.figures import COLORS, sized
@@ -35,7 +35,7 @@ class ComparisonRun:
     record: dict  # its comparison.json: baseline, metric, seeds, federation, scores, runs, summary, verdicts
     table: str  # its comparison.txt
     changes: pd.DataFrame  # its clients_across_seeds.json: client, pipeline, seed, change
-    counts: dict[str, dict[str, int]]  # pipeline -> helped_every_seed / hurt_every_seed / mixed (its metrics)
+    counts: dict[str, dict[str, int]]  # pipeline -> helped / hurt / unchanged on every seed, mixed (its metrics)
 
 
 def is_comparison(run) -> bool:
@@ -53,8 +53,8 @@ def load_comparison_run(client: MlflowClient, run) -> ComparisonRun:
         record = json.loads(Path(client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
         table = Path(client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
     metrics = run.data.metrics
-    counts = {p: {k: int(metrics[f"{p}/clients_{k}"]) for k in COUNTS} for p in record["runs"]
-              if f"{p}/clients_{COUNTS[0]}" in metrics}
+    counts = {p: {k: int(metrics[f"{p}/clients_{k}"]) for k in COUNTS if f"{p}/clients_{k}" in metrics}
+              for p in record["runs"] if f"{p}/clients_{COUNTS[0]}" in metrics}  # an older run: no unchanged
     return ComparisonRun(run_id, run.info.run_name, run.info.experiment_id, record, table,
                          read_table(client, run_id, CHANGES_TABLE), counts)
 
@@ -63,13 +63,12 @@ def band_figure(comparison: ComparisonRun) -> go.Figure | None:
     """Per pipeline, its clients (seen on every seed) sorted by their mean change against the baseline, the line
     their mean and the band the least and the most over the seeds (Pillutla et al., ICML 2022, Fig. 11)."""
     pipelines = list(comparison.counts)
-    if not pipelines or comparison.changes.empty:
+    if not pipelines or comparison.changes.empty or not same_clients(comparison):
         return None
     bands = every_seed(comparison.changes, len(comparison.record["seeds"]))
     cols = min(2, len(pipelines))
     rows = -(-len(pipelines) // cols)
-    titles = [f"{p}: {c['helped_every_seed']} helped on every seed, {c['hurt_every_seed']} hurt on every seed, "
-              f"{c['mixed']} mixed" for p, c in comparison.counts.items()]
+    titles = [f"{p}: {counted(c)}" for p, c in comparison.counts.items()]
     fig = make_subplots(rows, cols, subplot_titles=titles, shared_yaxes="all", vertical_spacing=0.3 / rows)
     for i, pipeline in enumerate(pipelines):
         frame, row, col = bands[bands["pipeline"] == pipeline], i // cols + 1, i % cols + 1
@@ -91,12 +90,23 @@ def band_figure(comparison: ComparisonRun) -> go.Figure | None:
     return sized(fig, 80 + 320 * rows, top=60)
 
 
+def same_clients(comparison: ComparisonRun) -> bool:
+    """Whether a client's name is the same data on every seed (the federation held fixed): else its change over
+    the seeds mixes the draw of the federation with training's randomness, and is not drawn."""
+    return FIXED_NAMES in comparison.record.get("federation", "")
+
+
+def counted(counts: dict[str, int]) -> str:
+    """'3 helped, 1 hurt, 44 unchanged on every seed, 2 mixed' (unchanged where recorded)."""
+    shown = [f"{counts[k]} {k.removesuffix('_every_seed')}" for k in COUNTS[:3] if k in counts]
+    return ", ".join(shown) + f" on every seed, {counts['mixed']} mixed"
+
+
 def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
-    """Per pipeline, its clients helped on every seed, hurt on every seed, and mixed."""
+    """Per pipeline, its clients helped on every seed, hurt on every seed, unchanged on every seed, and mixed."""
     if not comparison.counts:
         return None
-    return pd.DataFrame([{"pipeline": p, "helped on every seed": c["helped_every_seed"],
-                          "hurt on every seed": c["hurt_every_seed"], "mixed": c["mixed"]}
+    return pd.DataFrame([{"pipeline": p, **{k.replace("_every_seed", " on every seed"): n for k, n in c.items()}}
                          for p, c in comparison.counts.items()])
 
 
@@ -151,21 +161,27 @@ def forest_figure(comparison: ComparisonRun) -> go.Figure | None:
 
 
 def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
-    """Per pipeline's study, the best objective after each finished trial (dashed where it still improved in the
-    last quarter of the trials: the budget may have been short)."""
+    """Per pipeline's study, a panel of its own (its own scale: one study's values do not squash another's) with
+    the best objective after each finished trial, trial 0 the pipeline as written (dashed where it still improved
+    in the last quarter of the trials: the budget may have been short)."""
     tuning = comparison.record.get("tuning") or {}
     if not tuning:
         return None
-    fig = go.Figure()
+    cols = min(3, len(tuning))
+    rows = -(-len(tuning) // cols)
+    titles = [f"{name}: {study['trials']} trials, {study['pruned']} pruned" for name, study in tuning.items()]
+    fig = make_subplots(rows, cols, subplot_titles=titles, vertical_spacing=0.4 / rows)
     for i, (name, study) in enumerate(tuning.items()):
-        late = " (still improving)" if study["improving_late"] else ""
-        fig.add_trace(go.Scatter(x=list(range(1, len(study["best_so_far"]) + 1)), y=study["best_so_far"],
-                                 mode="lines+markers", name=name + late, line_color=COLORS[i % len(COLORS)],
-                                 line_dash="dash" if late else "solid",
-                                 hovertemplate=f"{name} after trial %{{x}}: %{{y:.4f}}<extra></extra>"))
-    fig.update_layout(xaxis_title="finished trials", yaxis_title=f"best {comparison.record.get('objective')}")
-    fig.update_xaxes(dtick=1 if max(len(s["best_so_far"]) for s in tuning.values()) <= 20 else None)
-    return sized(fig, 420)
+        late = study["improving_late"]
+        row, col = i // cols + 1, i % cols + 1
+        fig.add_trace(go.Scatter(x=list(range(len(study["best_so_far"]))), y=study["best_so_far"],
+                                 mode="lines+markers", name=name, line_color=COLORS[i % len(COLORS)],
+                                 line_shape="hv", line_dash="dash" if late else "solid", showlegend=False,
+                                 hovertemplate=f"{name}: best %{{y:.4f}} after trial %{{x}}<extra></extra>"), row, col)
+        fig.update_xaxes(title_text="trial (0: as written)", dtick=1 if len(study["best_so_far"]) <= 20 else None,
+                         row=row, col=col)
+    fig.update_yaxes(title_text=f"best {comparison.record.get('objective')}", col=1)
+    return sized(fig, 60 + 300 * rows, top=60)
 
 
 def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
@@ -201,8 +217,9 @@ def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
            "adjusted on (the larger of the t's and the bootstrap's) and its adjusted p-value.",
            verdicts_frame(comparison, score)) for score in (record.get("verdicts") or {})],
         ("Tuning: the best value against the trials", f"Each pipeline's study on the validation split of seed(s) "
-         f"{record.get('tuning_seeds')}: its best {record.get('objective')} after each finished trial, trial 0 the "
-         "pipeline as written. A dashed line still rose in the last quarter of its trials: more trials may help.",
+         f"{record.get('tuning_seeds')}, in a panel of its own scale: its best {record.get('objective')} after each "
+         "finished trial, numbered from trial 0, the pipeline as written; a pruned trial leaves the best as it was. "
+         "A dashed line still rose in the last quarter of its trials: more trials may help.",
          best_so_far_figure(comparison)),
         ("Tuning: what each study chose", "Trials (of which pruned), the chosen configuration's objective, the "
          "objective's 10th / 50th / 90th percentile over the completed trials (how much the method's result depends "
@@ -210,11 +227,16 @@ def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
          "optimism (the winner's curse: the best minus the rerun, positive where the tuning seeds flattered it, with "
          "its 95% t interval over the comparison seeds), and the chosen values (stage.key).",
          tuning_frame(comparison)),
-        ("Per-client change against " + baseline + " over the seeds", f"Each client (by name) is a point at its "
-         f"mean change in test {metric} over the seeds, sorted; the band spans its least and its most. Helped on "
-         f"every seed: {better} 0 on each; hurt on every seed: the other side on each; mixed: the rest (a tie counts "
-         "as neither). " + record.get("federation", ""), band_figure(comparison)),
-        ("Clients helped and hurt on every seed", "Of the clients seen on every seed.", counts_table(comparison)),
+        ("Per-client change against " + baseline + " over the seeds", (
+            f"Each client (by name) is a point at its mean change in test {metric} over the seeds, sorted; the band "
+            f"spans its least and its most. Helped on every seed: {better} 0 on each; hurt on every seed: the other "
+            "side on each; unchanged: the baseline's value on every seed; mixed: the rest. "
+            if same_clients(comparison) else "") + record.get("federation", ""),
+         band_figure(comparison) if same_clients(comparison) else "Not drawn: a client's name is not the same data "
+         "on every seed."),
+        ("Clients helped, hurt and unchanged on every seed", "Of the clients seen on every seed."
+         + ("" if same_clients(comparison) else " A client's name is not the same data on every seed (above)."),
+         counts_table(comparison)),
     ]
     line = f"{comparison.name}: run {comparison.run_id} (experiment {comparison.experiment_id})"
     return page(f"fedpilot comparison: {comparison.name}", line, tracking_uri, sections)

@@ -261,7 +261,7 @@ def test_two_queue_workers_record_the_same_table_as_one_process(workdir, monkeyp
     (workdir / "pair.yaml").write_text(yaml.safe_dump(comparison))
     code, output = cli("compare", str(workdir / "pair.yaml"), "--storage", f"sqlite:///{workdir}/one.db")
     assert code == 0, output
-    alone = output.split("\n\n", 1)[1].split("\nbrowse:")[0]
+    alone = output.split("\n\n", 1)[1].split("\nbrowse")[0]
     queue = workdir / "queue"
     queue.mkdir()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{queue}/mlflow.db", "FEDPILOT_CACHE": str(queue / "cache"),
@@ -279,7 +279,7 @@ def test_two_queue_workers_record_the_same_table_as_one_process(workdir, monkeyp
     run_id = re.search(r"run ([0-9a-f]{32})", output).group(1)
     code, output = cli("compare", "--resume", run_id)
     assert code == 0, output
-    assert output.split("\n\n", 1)[1].split("\nbrowse:")[0] == alone
+    assert output.split("\n\n", 1)[1].split("\nbrowse")[0] == alone
     from fedpilot.db import connect
     from fedpilot.jobs.queue import list_jobs
 

@@ -117,3 +117,53 @@ def test_the_comparison_draws_each_study_on_its_own_scale_from_trial_0_and_count
         "other: 0 helped, 0 hurt, 1 unchanged on every seed, 0 mixed"
     assert counted({"helped_every_seed": 2, "hurt_every_seed": 1, "mixed": 3}) == \
         "2 helped, 1 hurt on every seed, 3 mixed"  # a run recorded before unchanged was counted
+
+
+def verdict(diff: float, low: float, high: float, resolved: bool) -> dict:
+    return {"diff_mean": diff, "t_holm_low": low, "t_holm_high": high, "boot_holm_low": low + 0.001,
+            "boot_holm_high": high - 0.001, "resolved": resolved}
+
+
+def tuned_comparison() -> dict:
+    """A comparison.json of three pipelines of the set `k4`: fedalt resolved above the baseline, fedsim not."""
+    summary = {name: {"test_acc_mean.mean": m, "test_acc_mean.sd": 0.01, "test_acc_p10.mean": m - 0.2,
+                      "test_acc_p10.sd": 0.02} for name, m in (("k4-fedavg", 0.80), ("k4-fedsim", 0.81),
+                                                               ("k4-fedalt", 0.85))}
+    verdicts = {"test_acc_mean": {"k4-fedsim": verdict(0.01, -0.02, 0.04, False),
+                                  "k4-fedalt": verdict(0.05, 0.02, 0.08, True)},
+                "test_acc_p10": {"k4-fedsim": verdict(0.0, -0.1, 0.1, False),
+                                 "k4-fedalt": verdict(0.0, -0.1, 0.1, False)}}
+    study = {"study": "s", "trials": 3, "pruned": 1, "values": [0.5, 0.7], "best_so_far": [0.5, 0.5, 0.7],
+             "chosen": {"stages.1.local.lr": 0.1, "stages.1.server.lr": 1.0}, "best": 0.7, "improving_late": True,
+             "p10": 0.52, "p50": 0.6, "p90": 0.68, "stages": ["pretrain", "personalize"],
+             "trial_values": [0.5, None, 0.7]}
+    return {"baseline": "k4-fedavg", "metric": "acc", "seeds": [0, 1, 2], "summary": summary, "verdicts": verdicts,
+            "objective": "val_acc_mean", "tuning": {"k4-fedalt": study}, "federation": "dataset.seed is unset"}
+
+
+def test_the_comparison_table_and_forest_plot_read_like_a_papers():
+    from fedpilot.report.comparison_page import ComparisonRun, best_so_far_figure, pipelines_frame, tuning_frame
+    from fedpilot.report.forest import forest_figure
+
+    record = tuned_comparison()
+    comparison = ComparisonRun("c", "k4", "1", record, "", pd.DataFrame(), {})
+    table = pipelines_frame(comparison)
+    assert list(table["pipeline"]) == ["fedavg (baseline)", "fedalt", "fedsim"]  # marked, sorted, prefix dropped
+    assert list(table.columns) == ["pipeline", "test_acc_mean", "test_acc_mean vs baseline", "test_acc_p10",
+                                   "test_acc_p10 vs baseline"]  # no two columns named alike
+    assert table.loc[1, "test_acc_mean vs baseline"] == "+5.00 [+2.00, +8.00] pp resolved"
+    assert table.loc[2, "test_acc_mean vs baseline"] == "+1.00 [-2.00, +4.00] pp not resolved"  # holds 0: flagged
+    figure = forest_figure(record)
+    assert list(figure.layout.yaxis.ticktext) == ["fedavg (baseline)", "fedsim", "fedalt"]  # the largest on top
+    assert figure.layout.xaxis.title.text == "test_acc_mean minus fedavg's, same seed (percentage points)"
+    column = [a.text for a in figure.layout.annotations]
+    assert column == ["+1.00 [-2.00, +4.00] not resolved", "+5.00 [+2.00, +8.00] resolved",
+                      "<b>difference [adjusted 95% interval] pp</b>"]  # the text column, as in a paper
+    assert [t.marker.symbol for t in figure.data[:1]] == [("circle-open", "circle")]  # filled where resolved
+    assert figure.data[-1].name == "the baseline" and list(figure.data[-1].x) == [0]
+    tuning = tuning_frame(comparison)
+    assert tuning.loc[0, "chosen"] == "personalize.local.lr=0.1, personalize.server.lr=1"  # unique, readable keys
+    assert tuning.loc[0, "p10 over trials"] == ""  # 2 completed trials: their percentiles would be noise
+    trials = best_so_far_figure(comparison).data
+    assert list(trials[1].x) == [0, 2] and list(trials[2].x) == [1] and trials[2].marker.symbol == "x"  # pruned
+

@@ -16,18 +16,31 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from fedpilot.report import REPORT_ARTIFACT
 from fedpilot.tracking import local_artifact
-from pipeline_fixtures import cli, run_id_of
-from test_compare_tuned import write_set
+from pipeline_fixtures import cli, run_id_of, write_pipeline
+from test_compare_tuned import BASE
 from test_mlflow_pages import chromium, full_page, plots_in, screenshots
 from test_mlflow_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = ("const h = [...document.querySelectorAll('h2')].find(e => e.textContent === arguments[0]);"
            "h.scrollIntoView(); return h.textContent;")
+
+
+def write_set(folder: Path) -> str:
+    """A set `k4` of three pipelines whose names share its prefix: FedAvg (the baseline), FedAlt and FedSim."""
+    for algorithm in ("fedavg", "fedalt", "fedsim"):
+        spec = {**BASE, "name": f"k4-{algorithm}", "stages": [BASE["stages"][0], {**BASE["stages"][1],
+                                                                                  "algorithm": algorithm}]}
+        write_pipeline(folder, spec, f"{algorithm}.yaml")
+    comparison = {"name": "k4", "seeds": 3, "pipelines": ["fedavg.yaml", "fedalt.yaml", "fedsim.yaml"],
+                  "tune": {"trials": 3}}
+    (folder / "k4.yaml").write_text(yaml.safe_dump(comparison))
+    return str(folder / "k4.yaml")
 
 
 def at_section(driver, heading: str, path: Path) -> None:
@@ -74,8 +87,11 @@ def test_the_quickstart_report_a_comparison_page_and_the_dashboard_in_a_browser(
         assert "32 MiB" in driver.find_element("tag name", "body").text  # the bytes axis's IEC ticks
 
         driver.get(comparison.as_uri())
-        assert plots_in(driver, 2) >= 2
+        assert plots_in(driver, 3) >= 3  # the forest plot, the studies' trials, (the bands when drawn)
+        page = driver.find_element("tag name", "body").text
         full_page(driver, shots / "comparison-report.png")
+        assert "fedavg (baseline)" in page and "names without the set's prefix k4-" in page
+        assert "difference [adjusted 95% interval] pp" in page and "p10 over trials" in page
 
         log = workdir / "dashboard.log"
         url = f"http://127.0.0.1:{free_port()}"
@@ -87,7 +103,7 @@ def test_the_quickstart_report_a_comparison_page_and_the_dashboard_in_a_browser(
             serving(f"{url}/dashboard", proc, log)
             driver.get(f"{url}/dashboard")
             deadline = time.monotonic() + 60
-            while "pair: other.tune." not in driver.find_element("tag name", "body").text:
+            while "k4: k4-fedsim.tune." not in driver.find_element("tag name", "body").text:
                 assert time.monotonic() < deadline, driver.find_element("tag name", "body").text
                 time.sleep(0.5)
             listed = driver.find_element("tag name", "body").text
@@ -95,5 +111,5 @@ def test_the_quickstart_report_a_comparison_page_and_the_dashboard_in_a_browser(
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    assert "pair: base.tune." in listed  # each study labelled by the comparison that tuned it
+    assert "k4: k4-fedavg.tune." in listed  # each study labelled by the comparison that tuned it
     assert log.read_text().startswith(f"Optuna dashboard for {storage} on {url}/dashboard")

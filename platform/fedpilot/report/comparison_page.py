@@ -19,9 +19,9 @@ from fedpilot.client_effects import CHANGES_TABLE, COUNTS, FIXED_NAMES, every_se
 from fedpilot.errors import NoSuchRun
 from fedpilot.metric_names import higher_is_better, metric_label
 from fedpilot.report.figures import COLORS, sized
+from fedpilot.report.forest import forest_figure, short_names, sorted_by_difference
 from fedpilot.report.page import Section, page
 from fedpilot.report.runs import read_table
-from fedpilot.stats.scores import in_points
 from fedpilot.stats.study import StudySummary
 from fedpilot.stats.table import frame, pipelines_rows, tuning_rows, verdict_rows
 from fedpilot.tracking import COMPARE_TAG, PIPELINE_TAG
@@ -68,7 +68,8 @@ def band_figure(comparison: ComparisonRun) -> go.Figure | None:
     bands = every_seed(comparison.changes, len(comparison.record["seeds"]))
     cols = min(2, len(pipelines))
     rows = -(-len(pipelines) // cols)
-    titles = [f"{p}: {counted(c)}" for p, c in comparison.counts.items()]
+    names = short_names(list(comparison.record.get("summary", comparison.counts)))
+    titles = [f"{names.get(p, p)}: {counted(c)}" for p, c in comparison.counts.items()]
     fig = make_subplots(rows, cols, subplot_titles=titles, shared_yaxes="all", vertical_spacing=0.3 / rows)
     for i, pipeline in enumerate(pipelines):
         frame, row, col = bands[bands["pipeline"] == pipeline], i // cols + 1, i % cols + 1
@@ -106,58 +107,40 @@ def counts_table(comparison: ComparisonRun) -> pd.DataFrame | None:
     """Per pipeline, its clients helped on every seed, hurt on every seed, unchanged on every seed, and mixed."""
     if not comparison.counts:
         return None
-    return pd.DataFrame([{"pipeline": p, **{k.replace("_every_seed", " on every seed"): n for k, n in c.items()}}
-                         for p, c in comparison.counts.items()])
+    names = short_names(list(comparison.record.get("summary", comparison.counts)))
+    return pd.DataFrame([{"pipeline": names.get(p, p), **{k.replace("_every_seed", " on every seed"): n
+                                                         for k, n in c.items()}} for p, c in comparison.counts.items()])
 
 
 def pipelines_frame(comparison: ComparisonRun) -> pd.DataFrame:
-    """The comparison's table of pipelines against the baseline, as the command printed it (stats.table)."""
+    """The comparison's table of pipelines against the baseline (stats.table), as a paper shows it: the baseline
+    first and marked, the others by their difference in test mean (the largest first), names without the set's
+    prefix, each difference column named by its score and an unresolved difference flagged."""
     record = comparison.record
-    rows = pipelines_rows(record["summary"], record["baseline"], record.get("metric", "acc"), record.get("untuned"),
-                          record.get("verdicts"))
-    return frame(rows)
+    baseline, verdicts = record["baseline"], record.get("verdicts") or {}
+    table = frame(pipelines_rows(record["summary"], baseline, record.get("metric", "acc"), record.get("untuned"),
+                                 verdicts))
+    columns = list(table.columns)
+    table.columns = [f"{columns[i - 1]} vs baseline" if c == "vs baseline" else c for i, c in enumerate(columns)]
+    for column in [c for c in table.columns if c.endswith(" vs baseline")]:
+        table[column] = [c if not c or c.endswith(" resolved") else f"{c} not resolved" for c in table[column]]
+    mean = verdicts.get(f"test_{record.get('metric', 'acc')}_mean") or {}
+    order = [baseline, *sorted_by_difference(mean), *[n for n in table["pipeline"] if n != baseline and n not in mean]]
+    table = table.set_index("pipeline").loc[order].reset_index()
+    names = short_names(list(table["pipeline"]))
+    table["pipeline"] = [names[n] + (" (baseline)" if n == baseline else "") for n in table["pipeline"]]
+    return table
 
 
 def verdicts_frame(comparison: ComparisonRun, score: str) -> pd.DataFrame | None:
     """One headline score's verdicts: the difference, the Holm-adjusted intervals, the p-values, resolved and the
     seeds a 0.5 pp difference needs (stats.table)."""
     rows = (comparison.record.get("verdicts") or {}).get(score)
-    return frame(verdict_rows(rows, comparison.record.get("metric", "acc"))) if rows else None
-
-
-FOREST_BARS = (("t", "t over seeds", 0.15), ("boot", "bootstrap over seeds and clients", -0.15))
-
-
-def forest_figure(comparison: ComparisonRun) -> go.Figure | None:
-    """Per pipeline, its paired difference in mean test metric with the baseline (in percentage points for
-    accuracy): the marker the mean over seeds, the bars its Holm-adjusted t and bootstrap intervals, a filled marker
-    where the difference is resolved."""
-    record = comparison.record
-    metric, baseline = record.get("metric", "acc"), record["baseline"]
-    score = f"test_{metric}_mean"
-    rows = (record.get("verdicts") or {}).get(score) or {}
     if not rows:
         return None
-    names, scale = list(rows)[::-1], 100.0 if in_points(metric) else 1.0  # the first pipeline at the top
-    fig = go.Figure()
-    for i, (kind, label, offset) in enumerate(FOREST_BARS):
-        shown = [n for n in names if np.isfinite(rows[n][f"{kind}_holm_low"] + rows[n][f"{kind}_holm_high"])]
-        diff, low, high = (np.array([rows[n][k] for n in shown]) * scale
-                           for k in ("diff_mean", f"{kind}_holm_low", f"{kind}_holm_high"))
-        text = [f"{n}: {d:+.2f} [{lo:+.2f}, {hi:+.2f}] at level {rows[n]['level']:.4g}"
-                + (", resolved" if rows[n]["resolved"] else "") for n, d, lo, hi in zip(shown, diff, low, high,
-                                                                                        strict=True)]
-        fig.add_trace(go.Scatter(
-            x=diff, y=[names.index(n) + offset for n in shown], mode="markers", name=label, text=text,
-            marker={"size": 9, "color": COLORS[i], "symbol": ["circle" if rows[n]["resolved"] else "circle-open"
-                                                              for n in shown]},
-            error_x={"type": "data", "symmetric": False, "array": high - diff, "arrayminus": diff - low},
-            hovertemplate="%{text}<extra>" + label + "</extra>"))
-    fig.add_vline(x=0, line={"color": "grey", "width": 1})
-    fig.update_yaxes(tickvals=list(range(len(names))), ticktext=names)
-    unit = " (percentage points)" if in_points(metric) else ""
-    fig.update_layout(xaxis_title=f"{score} minus {baseline}'s, same seed{unit}", legend={"orientation": "h"})
-    return sized(fig, 200 + 40 * len(names))
+    names = short_names(list(comparison.record.get("summary", rows)))
+    ordered = {names.get(n, n): rows[n] for n in sorted_by_difference(rows)}  # as the table and the forest plot
+    return frame(verdict_rows(ordered, comparison.record.get("metric", "acc")))
 
 
 def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
@@ -169,7 +152,8 @@ def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
         return None
     cols = min(3, len(tuning))
     rows = -(-len(tuning) // cols)
-    titles = [f"{name}: {study['trials']} trials, {study['pruned']} pruned" for name, study in tuning.items()]
+    names = short_names(list(comparison.record.get("summary", tuning)))
+    titles = [f"{names.get(n, n)}: {study['trials']} trials, {study['pruned']} pruned" for n, study in tuning.items()]
     fig = make_subplots(rows, cols, subplot_titles=titles, vertical_spacing=0.4 / rows)
     for i, (name, study) in enumerate(tuning.items()):
         late = study["improving_late"]
@@ -178,10 +162,31 @@ def best_so_far_figure(comparison: ComparisonRun) -> go.Figure | None:
                                  mode="lines+markers", name=name, line_color=COLORS[i % len(COLORS)],
                                  line_shape="hv", line_dash="dash" if late else "solid", showlegend=False,
                                  hovertemplate=f"{name}: best %{{y:.4f}} after trial %{{x}}<extra></extra>"), row, col)
+        _trials(fig, study.get("trial_values") or [], row, col)
         fig.update_xaxes(title_text="trial (0: as written)", dtick=1 if len(study["best_so_far"]) <= 20 else None,
                          row=row, col=col)
     fig.update_yaxes(title_text=f"best {comparison.record.get('objective')}", col=1)
     return sized(fig, 60 + 300 * rows, top=60)
+
+
+FEW_TRIALS = 5  # under this many completed trials a study's percentiles over them are left blank
+
+
+def _trials(fig: go.Figure, values: list[float | None], row: int, col: int) -> None:
+    """Each finished trial (Optuna's history): a completed one at its objective, a pruned one as a cross at the
+    panel's foot (none for a comparison recorded before they were)."""
+    if not values:
+        return
+    done = [(i, v) for i, v in enumerate(values) if v is not None]
+    pruned = [i for i, v in enumerate(values) if v is None]
+    foot = min((v for _, v in done), default=0.0)
+    fig.add_trace(go.Scatter(x=[i for i, _ in done], y=[v for _, v in done], mode="markers", showlegend=False,
+                             marker={"color": "grey", "size": 7, "opacity": 0.7},
+                             hovertemplate="trial %{x}: %{y:.4f}<extra></extra>"), row, col)
+    if pruned:
+        fig.add_trace(go.Scatter(x=pruned, y=[foot] * len(pruned), mode="markers", showlegend=False,
+                                 marker={"color": "grey", "symbol": "x", "size": 8},
+                                 hovertemplate="trial %{x}: pruned<extra></extra>"), row, col)
 
 
 def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
@@ -191,8 +196,28 @@ def tuning_frame(comparison: ComparisonRun) -> pd.DataFrame | None:
     if not tuning:
         return None
     studies = {name: StudySummary(**study) for name, study in tuning.items()}
-    return frame(tuning_rows(studies, record.get("objective") or "objective", record.get("optimism"),
-                             record.get("study_facts")))
+    table = frame(tuning_rows(studies, record.get("objective") or "objective", record.get("optimism"),
+                              record.get("study_facts")))
+    few = [study.trials - study.pruned < FEW_TRIALS for study in studies.values()]
+    for stat in ("p10", "p50", "p90"):  # over the trials, not the clients; of 2 or 3 trials, noise
+        table[stat] = ["" if noise else value for value, noise in zip(table[stat], few, strict=True)]
+    names = short_names(list(table["pipeline"]))
+    table["pipeline"] = [names[n] for n in table["pipeline"]]
+    return table.rename(columns={stat: f"{stat} over trials" for stat in ("p10", "p50", "p90")})
+
+
+def method_frame(record: dict) -> pd.DataFrame | None:
+    """How the comparison's intervals and verdicts are made (comparison.json's `method`), one row each."""
+    method = record.get("method")
+    return pd.DataFrame({"what": list(method), "how": [str(v) for v in method.values()]}) if method else None
+
+
+def _prefix(record: dict) -> str:
+    """What the page says of the names it shortened: ` (names without the set's prefix digits-k2-)`."""
+    names = list(record["summary"])
+    short = short_names(names)
+    cut = names[0][:len(names[0]) - len(short[names[0]])] if names else ""
+    return f" (names without the set's prefix {cut})" if cut else ""
 
 
 def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
@@ -204,26 +229,33 @@ def render_comparison(comparison: ComparisonRun, tracking_uri: str = "") -> str:
     tuned = bool(record.get("tuning"))
     notes = [part for part in comparison.table.split("\n\n") if part.startswith("diverged")]
     intervals = next((part for part in comparison.table.split("\n\n") if part.startswith("intervals:")), "")
+    prefix = _prefix(record)
     sections: list[Section] = [
         ("Pipelines against " + baseline, f"Each {'tuned ' if tuned else ''}pipeline's last stage over {seeds} "
-         f"seed(s): mean ± sd over seeds; vs baseline: the paired difference with the baseline on the same seed and "
-         f"its adjusted interval (below). " + " ".join(notes).replace("\n", " "), pipelines_frame(comparison)),
+         f"seed(s), the baseline first, the others by their difference in test mean{prefix}: mean ± sd over seeds of "
+         "the clients' mean and 10th percentile (p10: over the clients); vs baseline: the paired difference with "
+         "the baseline on the same seed and its adjusted interval, 'not resolved' where the interval holds 0. "
+         + " ".join(notes).replace("\n", " "), pipelines_frame(comparison)),
+        ("How a difference is judged", intervals.replace("\n", " ").removeprefix("intervals: "),
+         method_frame(record)),
         ("Paired difference with " + baseline, "Each pipeline's mean test " + metric + " minus the baseline's on the "
-         "same seed: the marker is the mean over seeds, the bars its t interval over seeds and its bootstrap "
-         "interval over seeds and clients, both adjusted by Holm for the set's comparisons; a filled marker is a "
-         "resolved difference. " + intervals.replace("\n", " ").removeprefix("intervals: "),
-         forest_figure(comparison)),
+         "same seed, the largest on top: the marker is the mean over seeds, the bars its t interval over seeds and "
+         "its bootstrap interval over seeds and clients, both adjusted by Holm for the set's comparisons; a filled "
+         "marker is a resolved difference; the diamond is the baseline. On the right, as in a paper: the "
+         "difference and its adjusted interval (the outer ends of the two).", forest_figure(comparison.record)),
         *[(f"Verdicts: {score} against {baseline}", "The Holm-adjusted intervals, the p-value each comparison was "
            "adjusted on (the larger of the t's and the bootstrap's) and its adjusted p-value.",
            verdicts_frame(comparison, score)) for score in (record.get("verdicts") or {})],
         ("Tuning: the best value against the trials", f"Each pipeline's study on the validation split of seed(s) "
-         f"{record.get('tuning_seeds')}, in a panel of its own scale: its best {record.get('objective')} after each "
-         "finished trial, numbered from trial 0, the pipeline as written; a pruned trial leaves the best as it was. "
-         "A dashed line still rose in the last quarter of its trials: more trials may help.",
+         f"{record.get('tuning_seeds')}, in a panel of its own scale: each finished trial's "
+         f"{record.get('objective')} (grey; a cross at the foot: pruned) and the best after it (the line), numbered "
+         "from trial 0, the pipeline as written. A dashed line still rose in the last quarter of its trials: more "
+         "trials may help.",
          best_so_far_figure(comparison)),
         ("Tuning: what each study chose", "Trials (of which pruned), the chosen configuration's objective, the "
-         "objective's 10th / 50th / 90th percentile over the completed trials (how much the method's result depends "
-         "on its settings), the same objective of the chosen configuration rerun on the comparison seeds and its "
+         "objective's 10th / 50th / 90th percentile over the completed trials, not over clients (how much the "
+         f"method's result depends on its settings; blank under {FEW_TRIALS} completed trials, where they are noise), "
+         "the same objective of the chosen configuration rerun on the comparison seeds and its "
          "optimism (the winner's curse: the best minus the rerun, positive where the tuning seeds flattered it, with "
          "its 95% t interval over the comparison seeds), and the chosen values (stage.key).",
          tuning_frame(comparison)),

@@ -30,6 +30,7 @@ class StudySummary:
     p50: float
     p90: float
     stages: list[str] = field(default_factory=list)
+    trial_values: list[float | None] = field(default_factory=list)  # each finished trial's objective, None: pruned
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,4 +53,4 @@ def study_summary(study: str, finished: list[tuple[float | None, dict]], maximiz
     p10, p50, p90 = (float(q) for q in np.percentile(values, [10, 50, 90])) if values else (float("nan"),) * 3
     return StudySummary(study, len(finished), len(finished) - len(values), values, best_so_far, chosen,
                         sign * best if math.isfinite(best) else float("nan"), improving, p10, p50, p90,
-                        list(stages or []))
+                        list(stages or []), [v if v is not None and math.isfinite(v) else None for v, _ in finished])

@@ -186,8 +186,8 @@ def test_the_forest_plot_draws_the_adjusted_intervals_in_percentage_points():
     scores, values = scores_and_values({"base": 0.0, "big": 0.05, "none": 0.0})
     found = verdicts(scores, values, "base", "acc", crossed=True)
     record = {"metric": "acc", "baseline": "base", "verdicts": found}
-    figure = forest_figure(ComparisonRun("r", "pair", "1", record, "", pd.DataFrame(), {}))
-    t, boot = figure.data
+    figure = forest_figure(record)
+    t, boot, baseline = figure.data
     assert t.name == "t over seeds" and boot.name == "bootstrap over seeds and clients"
     rows = found["test_acc_mean"]
     assert list(t.x) == pytest.approx([100 * rows[n]["diff_mean"] for n in ("none", "big")])
@@ -196,4 +196,5 @@ def test_the_forest_plot_draws_the_adjusted_intervals_in_percentage_points():
     assert list(boot.error_x.arrayminus) == pytest.approx([100 * (rows[n]["diff_mean"] - rows[n]["boot_holm_low"])
                                                            for n in ("none", "big")])
     assert list(t.marker.symbol) == ["circle-open", "circle"] and "percentage points" in figure.layout.xaxis.title.text
-    assert list(figure.layout.yaxis.ticktext) == ["none", "big"]
+    assert list(figure.layout.yaxis.ticktext) == ["base (baseline)", "none", "big"]
+    assert baseline.name == "the baseline" and list(baseline.x) == [0]

@@ -47,7 +47,7 @@ def forest_figure(record: dict) -> go.Figure | None:
     rows = (record.get("verdicts") or {}).get(score) or {}
     if not rows:
         return None
-    names = short_names(list(record["summary"]))
+    names = short_names([baseline, *rows])
     order = sorted_by_difference(rows)[::-1]  # plotly counts rows from the bottom: the largest on top
     position = {baseline: 0} | {name: i + 1 for i, name in enumerate(order)}
     scale, fig = 100.0 if in_points(metric) else 1.0, go.Figure()

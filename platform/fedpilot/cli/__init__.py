@@ -6,10 +6,12 @@ or raises the errors of fedpilot.errors, which `common.fail` turns into one line
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
 import typer
 
 from fedpilot.cli import browse, jobs, pipeline
+from fedpilot.cli.common import OneLineErrors, debug
 from fedpilot.cli.data import data_app
 from fedpilot.cli.new import new_app
 from fedpilot.cli.pipeline import format_outcomes, where_to_look
@@ -22,6 +24,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,
 )
 app.add_typer(data_app, name="data")
 for command in (pipeline.validate, pipeline.run, pipeline.search, pipeline.compare, browse.report, browse.ui,
@@ -33,9 +36,13 @@ app.add_typer(new_app, name="new")
 
 
 @app.callback()
-def _notices() -> None:
+def _notices(
+    debugging: Annotated[bool, typer.Option("--debug", help="Show the whole traceback of a failure in a plugin's code "
+                                                           "or fedpilot's own (also FEDPILOT_DEBUG=1).")] = False,
+) -> None:
     """What the layers below tell the user at once (fedpilot's log at WARNING: a stop asked by a signal, a worker's
     lost job) goes to stderr as it is."""
+    debug(debugging)
     logger = logging.getLogger("fedpilot")
     if not any(getattr(h, "fedpilot_cli", False) for h in logger.handlers):
         handler = logging.StreamHandler()

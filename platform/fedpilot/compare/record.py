@@ -22,7 +22,7 @@ from fedpilot.compare.work import Unit, Work, finished_runs
 from fedpilot.metric_names import higher_is_better, scores_of
 from fedpilot.report import log_report
 from fedpilot.report.runs import clients_frame
-from fedpilot.tracking import STAGE_TAG, Tracker
+from fedpilot.tracking import RECORD_ARTIFACT, TABLE_ARTIFACT, Tracker, stage_runs
 
 
 @dataclass
@@ -72,9 +72,7 @@ def outcomes(plan: Plan, tracker: Tracker, done: dict[Unit, Run], variant: str) 
 
 def last_stage(client: MlflowClient, experiment_id: str, pipeline_run: str) -> str:
     """The run of a pipeline run's last stage (the newest run of its largest stage index)."""
-    stages = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{pipeline_run}'",
-                                order_by=["attributes.start_time ASC"])
-    newest = {int(r.data.tags["fedpilot.stage_index"]): r for r in stages if STAGE_TAG in r.data.tags}
+    newest = stage_runs(client, experiment_id, pipeline_run)
     return newest[max(newest)].info.run_id
 
 
@@ -150,7 +148,7 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, summary: d
     tracker.set_tags(run_id, {f"run.{name}.{seed}": rid for name, by_seed in main.runs.items()
                               for seed, rid in by_seed.items()})
     tracker.client.log_table(run_id, changes.to_dict(orient="list"), CHANGES_TABLE)
-    tracker.client.log_text(run_id, table, "comparison.txt")
+    tracker.client.log_text(run_id, table, TABLE_ARTIFACT)
     tracker.client.log_dict(run_id, {
         "baseline": plan.baseline, "metric": plan.metric, "seeds": plan.seeds, "federation": federation,
         "scores": main.scores, "runs": main.runs, "summary": summary, "counts": counts, "resolution": resolved,
@@ -158,5 +156,5 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, summary: d
         "tuning": {name: study.to_json() for name, study in studies.items()},
         "tuning_seeds": plan.comparison.tuning_seeds() if plan.tuning else [],
         "objective": next(iter(plan.tuning.values())).search.objective[0].metric if plan.tuning else None},
-        "comparison.json")
+        RECORD_ARTIFACT)
     log_report(tracker.client, run_id)

@@ -3,18 +3,17 @@ it), given (--resume) or made; the work done in this process beside any other; t
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from fedpilot.compare.plan import Plan
+from fedpilot.compare.plan import Plan, tuning_error
 from fedpilot.compare.record import ComparisonResult, assemble
 from fedpilot.compare.work import POLL_SECONDS, Work, find_run, start_run
+from fedpilot.errors import SpecError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.checks import prepare
 from fedpilot.settings import check_tracking, tracking_uri
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import Tracker, comparison_outcome
 
 
 def prepare_plan(plan: Plan, cache_dir: Path) -> None:
@@ -24,15 +23,20 @@ def prepare_plan(plan: Plan, cache_dir: Path) -> None:
         for spec in by_seed.values():
             check_tracking(spec.tracking.uri)
             prepare(spec, cache_dir)
-    for spec in plan.tuning.values():
+    for i, spec in enumerate(plan.tuning.values()):
         for seed in plan.comparison.tuning_seeds():
-            prepare(spec.model_copy(update={"seed": seed}), cache_dir)
+            try:
+                prepare(spec.model_copy(update={"seed": seed}), cache_dir)
+            except SpecError as err:  # its objective, say: the set's tune block gave it
+                raise tuning_error(plan.comparison, i, err) from None
 
 
-def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str]:
-    """The tracker of the comparison's experiment and its run: `run_id`, else the plan's unfinished one, else new."""
+def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str, bool]:
+    """The tracker of the comparison's experiment, its run (`run_id`, else the plan's unfinished one, else a new
+    one) and whether that run was made here."""
     tracker = Tracker(tracking_uri(), plan.comparison.name)
-    return tracker, run_id or find_run(tracker, plan) or start_run(tracker, plan)
+    found = run_id or find_run(tracker, plan)
+    return (tracker, found, False) if found else (tracker, start_run(tracker, plan), True)
 
 
 def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, progress: bool = False,
@@ -41,7 +45,7 @@ def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, 
     """Do the comparison's work in this process until every unit is done, then its table (assembled by the first
     process to get there; the others read it). The run is RUNNING meanwhile; a stop or failure here marks it KILLED
     or FAILED, and running the same command (or --resume) goes on from what is done."""
-    tracker, run_id = comparison_run(plan, run_id)
+    tracker, run_id, _ = comparison_run(plan, run_id)
     if tracker.client.get_run(run_id).info.status == "FINISHED":  # --resume of a comparison that is done
         return finished_result(tracker, run_id)
     tracker.client.update_run(run_id, status="RUNNING")
@@ -62,9 +66,7 @@ def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, 
 
 def finished_result(tracker: Tracker, run_id: str) -> ComparisonResult:
     """The outcome another process assembled, read back from the comparison's run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        record = json.loads(Path(tracker.client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
-        table = Path(tracker.client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    record, table = comparison_outcome(tracker.client, run_id)
     scores = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["scores"].items()}
     runs = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["runs"].items()}
     return ComparisonResult(run_id, table, scores, runs, record["counts"], tracker.uri, tracker.experiment_id)

@@ -7,40 +7,45 @@ and picks up the rest when it runs again. A run whose stage diverged counts as d
 
 from __future__ import annotations
 
-import json
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
 from fedpilot.compare.stats import StudySummary, study_summary
-from fedpilot.db import connect, engine_options
-from fedpilot.errors import NoSuchRun, StageFailed
+from fedpilot.db import connect
+from fedpilot.errors import NoSuchRun, StageCrashed, StageFailed
 from fedpilot.leases import NamedLease
+from fedpilot.pipeline.cache import StageCache, data_fingerprint, stage_keys
+from fedpilot.pipeline.checks import resolve_device
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.signals import Stopped, stop_asked, stop_on_signals
+from fedpilot.settings import cache_root
 from fedpilot.tracking import (
+    BASELINE_TAG,
+    COMPARE_RUN_TAG,
     COMPARE_TAG,
+    KEY_TAG,
     PIPELINE_TAG,
+    PLAN_ARTIFACT,
     RESUMABLE_TAG,
+    SEED_TAG,
+    VARIANT_TAG,
     Tracker,
     close_orphans,
+    read_json,
+    recorded_executors,
     schema_init_lock,
 )
-from fedpilot.tuning import Search, StudyScope
+from fedpilot.tuning import Search, StudyScope, fail_stale, study_storage
 
-COMPARE_RUN_TAG = "fedpilot.compare_run"  # a comparison's pipeline run: the comparison's run id
-VARIANT_TAG = "fedpilot.compare_variant"  # tuned | written
-KEY_TAG = "fedpilot.compare_key"  # a comparison's run: the hash of its plan (a rerun continues the run)
-PLAN_ARTIFACT = "comparison_plan.json"
+__all__ = ["COMPARE_RUN_TAG", "KEY_TAG", "VARIANT_TAG", "Unit", "Work", "find_run", "finished_runs", "start_run"]
 POLL_SECONDS = 2.0  # a process with nothing to claim looks again after this long
 FINISHED = ("COMPLETE", "PRUNED")
 
@@ -69,7 +74,7 @@ def start_run(tracker: Tracker, plan: Plan) -> str:
     """A new comparison run: its plan (what --resume continues), the set's settings as params."""
     comparison = plan.comparison
     run_id = tracker.client.create_run(tracker.experiment_id, run_name=f"compare-{comparison.name}", tags={
-        COMPARE_TAG: comparison.name, "fedpilot.baseline": plan.baseline, KEY_TAG: plan.key}).info.run_id
+        COMPARE_TAG: comparison.name, BASELINE_TAG: plan.baseline, KEY_TAG: plan.key}).info.run_id
     tune = comparison.tune
     tracker.log_params(run_id, {"seeds": plan.seeds, "baseline": plan.baseline, "pipelines": list(plan.specs),
                                 "overrides": comparison.overrides, "shared_stages": plan.shared,
@@ -86,19 +91,22 @@ def recorded_plan(client: MlflowClient, run_id: str) -> Plan:
     except Exception as err:  # MlflowException for an unknown id
         raise NoSuchRun("--resume", run_id, f"no such run ({type(err).__name__})") from None
     if COMPARE_TAG not in run.data.tags or PIPELINE_TAG in run.data.tags:
-        raise NoSuchRun("--resume", run_id, "not a comparison's run (tag fedpilot.compare, no fedpilot.pipeline)")
-    if PLAN_ARTIFACT not in {a.path for a in client.list_artifacts(run_id)}:
+        raise NoSuchRun("--resume", run_id, f"not a comparison's run (tag {COMPARE_TAG}, no {PIPELINE_TAG})")
+    recorded = read_json(client, run_id, PLAN_ARTIFACT)
+    if recorded is None:
         raise NoSuchRun("--resume", run_id, "this comparison recorded no plan (it was made by an older fedpilot)")
-    with tempfile.TemporaryDirectory() as tmp:
-        return Plan.from_json(json.loads(Path(client.download_artifacts(run_id, PLAN_ARTIFACT, tmp)).read_text()))
+    return Plan.from_json(recorded)
 
 
-def runs_of(tracker: Tracker, run_id: str) -> Iterator[Run]:
-    """Every pipeline run a comparison started (any status), page by page."""
+def runs_of(tracker: Tracker, run_id: str, unit: Unit | None = None) -> Iterator[Run]:
+    """Every pipeline run a comparison started (any status), page by page; those of one `unit`, if given."""
+    query = f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'"
+    if unit is not None:
+        query += (f" and tags.`{VARIANT_TAG}` = '{unit.variant}' and tags.`{PIPELINE_TAG}` = '{unit.pipeline}' and "
+                  f"tags.`{SEED_TAG}` = '{unit.seed}'")
     token = None
     while True:
-        page = tracker.client.search_runs([tracker.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'",
-                                          max_results=1000, page_token=token)
+        page = tracker.client.search_runs([tracker.experiment_id], query, max_results=1000, page_token=token)
         yield from page
         token = page.token
         if not token:
@@ -107,18 +115,29 @@ def runs_of(tracker: Tracker, run_id: str) -> Iterator[Run]:
 
 def unit_of(run: Run) -> Unit:
     tags = run.data.tags
-    return Unit(tags[VARIANT_TAG], tags[PIPELINE_TAG], int(tags["fedpilot.seed"]))
+    return Unit(tags[VARIANT_TAG], tags[PIPELINE_TAG], int(tags[SEED_TAG]))
 
 
-def finished_runs(tracker: Tracker, run_id: str) -> dict[Unit, Run]:
-    """Each unit's run that is done: FINISHED, else FAILED for good (its stage diverged: no score)."""
+def finished_runs(tracker: Tracker, run_id: str, runs: Iterable[Run] | None = None) -> dict[Unit, Run]:
+    """Each unit's run that is done: FINISHED, else FAILED for good (its stage diverged: no score); of `runs`
+    (default: every pipeline run of the comparison)."""
     done: dict[Unit, Run] = {}
-    for run in runs_of(tracker, run_id):
+    for run in runs_of(tracker, run_id) if runs is None else runs:
         status, unit = run.info.status, unit_of(run)
         ended = status == "FINISHED" or (status == "FAILED" and run.data.tags.get(RESUMABLE_TAG) == "false")
         if ended and (unit not in done or status == "FINISHED"):
             done[unit] = run
     return done
+
+
+@dataclass
+class Look:
+    """What one pass of a comparison's loop reads of the stores, once: every pipeline run of the comparison, the
+    units done, each study's trials."""
+
+    runs: list[Run]
+    done: dict[Unit, Run]
+    trials: dict[str, list[optuna.trial.FrozenTrial]] = field(default_factory=dict)
 
 
 class Work:
@@ -131,7 +150,7 @@ class Work:
         self.cache_dir, self.progress, self.echo, self.heartbeat = cache_dir, progress, echo, heartbeat_seconds
         self.database = connect(storage_url, "--storage")
         with schema_init_lock(storage_url):
-            self.storage = RDBStorage(storage_url, engine_kwargs=engine_options(storage_url)) if plan.tuning else None
+            self.storage = study_storage(storage_url, heartbeat_seconds) if plan.tuning else None
         self.units = [Unit(variant, pipeline, seed) for pipeline in plan.specs for variant in plan.variants
                       for seed in plan.seeds]
         self.units += self._cached_written() if plan.variants == (TUNED,) else []
@@ -142,42 +161,50 @@ class Work:
         with stop_on_signals():
             self._units()
 
+    def look(self) -> Look:
+        """The stores as they are now, read once: the comparison's runs, and each study's trials (stale ones failed
+        and retried first: a trial no process runs any more never holds the comparison up)."""
+        runs = list(runs_of(self.tracker, self.run_id))
+        return Look(runs, finished_runs(self.tracker, self.run_id, runs),
+                    {pipeline: self._trials(pipeline) for pipeline in self.plan.tuning})
+
     def _units(self) -> None:
         while True:
-            done = finished_runs(self.tracker, self.run_id)
-            left = [u for u in self.units if u not in done]
+            look = self.look()
+            left = [u for u in self.units if u not in look.done]
             if not left:
                 return
             busy = False
             for pipeline in self.plan.specs:
-                if self.plan.tuning and not self.studied(pipeline):
+                studied = not self.plan.tuning or self.studied(look.trials[pipeline])
+                if not studied:
                     _unless_stopped()
-                    busy |= self._tune(pipeline)
-                ready = [u for u in left if u.pipeline == pipeline and (u.variant == WRITTEN or self.studied(pipeline))]
-                for unit in ready:
+                    busy |= self._tune(pipeline, look.trials[pipeline])
+                for unit in [u for u in left if u.pipeline == pipeline and (u.variant == WRITTEN or studied)]:
                     _unless_stopped()
-                    busy |= self._run(unit)
+                    busy |= self._run(unit, look)
             if not busy:
                 time.sleep(POLL_SECONDS)
 
     # ---- the studies ---------------------------------------------------------------------------------------
     def _trials(self, pipeline: str) -> list[optuna.trial.FrozenTrial]:
-        """The pipeline's study's trials in number order (none before its first)."""
+        """The pipeline's study's trials in number order (none before its first), its stale trials failed and
+        retried first."""
         try:
             study = optuna.load_study(study_name=self.plan.tuning[pipeline].search.study, storage=self.storage)
         except KeyError:
             return []
+        fail_stale(study)
         return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
 
-    def studied(self, pipeline: str) -> bool:
-        """Whether the pipeline's study has its N finished trials."""
-        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED]
+    def studied(self, trials: list[optuna.trial.FrozenTrial]) -> bool:
+        """Whether a pipeline's study (its `trials`) has its N finished trials."""
+        finished = [t for t in trials if t.state.name in FINISHED]
         return len(finished) >= self.plan.comparison.tune.trials
 
-    def _tune(self, pipeline: str) -> bool:
+    def _tune(self, pipeline: str, trials: list[optuna.trial.FrozenTrial]) -> bool:
         """Run the trials of the pipeline's study that are left to start (none while other processes' are running);
         whether it started any."""
-        trials = self._trials(pipeline)
         started = [t for t in trials if t.state != TrialState.FAIL]
         if len(started) >= self.plan.comparison.tune.trials and not any(t.state == TrialState.WAITING for t in trials):
             return False
@@ -191,32 +218,39 @@ class Work:
                self.heartbeat, self.echo, scope).run()
         return True
 
-    def summary(self, pipeline: str) -> StudySummary:
-        """The pipeline's study over its first N finished trials (its objective's direction from the spec)."""
+    def summary(self, pipeline: str, trials: list[optuna.trial.FrozenTrial] | None = None) -> StudySummary:
+        """The pipeline's study over its first N finished trials (its objective's direction from the spec), of its
+        `trials` (default: read now)."""
         spec = self.plan.tuning[pipeline]
-        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED][:self.plan.comparison.tune.trials]
+        trials = self._trials(pipeline) if trials is None else trials
+        finished = [t for t in trials if t.state.name in FINISHED][:self.plan.comparison.tune.trials]
         pairs = [(t.value if t.state == TrialState.COMPLETE else None, dict(t.params)) for t in finished]
         return study_summary(spec.search.study, pairs, spec.search.objective[0].direction == "maximize")
 
     # ---- the runs ------------------------------------------------------------------------------------------
-    def _run(self, unit: Unit) -> bool:
-        """Claim and run one unit (unless another process holds it, or finished it meanwhile); whether it did."""
+    def _run(self, unit: Unit, look: Look) -> bool:
+        """Claim and run one unit (unless another process holds it, or finished it since `look`); whether it did. A
+        unit run again (its process stopped or died) runs each stage on the executor its last run chose there."""
         lease = NamedLease(self.database, f"compare:{self.run_id}:{unit.name}", 3 * self.heartbeat)
         if not lease.try_acquire():
             return False
         with lease.kept():
-            if unit in finished_runs(self.tracker, self.run_id):
+            earlier = list(runs_of(self.tracker, self.run_id, unit))  # this unit's runs only, under its lease
+            if unit in finished_runs(self.tracker, self.run_id, earlier):
                 return False
-            self._close_orphans(unit)
-            values = self.summary(unit.pipeline).chosen if unit.variant == TUNED else None
+            self._close_orphans(earlier)
+            values = self.summary(unit.pipeline, look.trials.get(unit.pipeline)).chosen if unit.variant == TUNED \
+                else None
             runner = PipelineRunner(self.plan.spec(unit.pipeline, unit.seed, values), cache_dir=self.cache_dir,
-                                    progress=self.progress)
+                                    progress=self.progress, executions=self._executors(earlier))
             tags = {COMPARE_TAG: self.plan.comparison.name, COMPARE_RUN_TAG: self.run_id, VARIANT_TAG: unit.variant,
-                    "fedpilot.seed": str(unit.seed)}
+                    SEED_TAG: str(unit.seed)}
             variant = f" {unit.variant}" if self.plan.tuning else ""
             label = f"seed {unit.seed} {unit.pipeline}{variant}"
             try:
                 result = runner.run(parent=self.run_id, tags=tags, name=f"{unit.pipeline} seed {unit.seed}{variant}")
+            except StageCrashed:  # a plugin's or fedpilot's own failure: the comparison stops, named
+                raise
             except StageFailed as err:  # diverged: recorded FAILED for good; the seed has no score
                 self.echo(f"{label}: {err}")
                 return True
@@ -226,19 +260,27 @@ class Work:
                                                                              f"test_{metric}_p10") if k in metrics))
         return True
 
-    def _close_orphans(self, unit: Unit) -> None:
+    def _close_orphans(self, earlier: list[Run]) -> None:
         """A unit's runs left RUNNING by a process that died: KILLED (their unit is run again)."""
-        for run in runs_of(self.tracker, self.run_id):
-            if run.info.status == "RUNNING" and unit_of(run) == unit:
+        for run in earlier:
+            if run.info.status == "RUNNING":
                 close_orphans(self.tracker.uri, run.info.run_id, "the comparison process running it died")
 
-    def _cached_written(self) -> list[Unit]:
-        """The pipelines as written whose every stage the stage cache holds on every comparison seed: their untuned
-        scores cost nothing, so the table shows them."""
-        return [Unit(WRITTEN, pipeline, seed) for pipeline, by_seed in self.plan.specs.items()
-                if all(PipelineRunner(spec, cache_dir=self.cache_dir, progress=False).cached()
-                       for spec in by_seed.values()) for seed in by_seed]
+    def _executors(self, earlier: list[Run]) -> dict[int, str]:
+        """The executor each stage of a unit's newest earlier run chose (none for a unit's first run)."""
+        if not earlier:
+            return {}
+        newest = max(earlier, key=lambda run: run.info.start_time)
+        return recorded_executors(self.tracker.client, self.tracker.experiment_id, newest.info.run_id)
 
+    def _cached_written(self) -> list[Unit]:
+        """The pipelines as written whose every stage the stage cache holds on every comparison seed (their keys
+        computed, nothing built): their untuned scores cost nothing, so the table shows them."""
+        cache = StageCache(self.cache_dir or cache_root())
+        return [Unit(WRITTEN, pipeline, seed) for pipeline, by_seed in self.plan.specs.items()
+                if all(cache.has(key) for spec in by_seed.values()
+                       for key in stage_keys(spec, data_fingerprint(spec), resolve_device(spec.device).type))
+                for seed in by_seed]
 
 
 def _unless_stopped() -> None:

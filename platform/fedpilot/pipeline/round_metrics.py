@@ -9,7 +9,7 @@ from typing import Any
 from mlflow.entities import Metric
 
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import EXECUTOR_TAG, Tracker
 
 
 class RoundMetrics(RoundCallback):
@@ -27,8 +27,12 @@ class RoundMetrics(RoundCallback):
         self.tracker, self.run_id = tracker, run_id
         self.pending: list[Metric] = []
         self.flushed_at = time.monotonic()
+        self.executor = ""  # the executor tagged on the run
 
     def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        if result.executor != self.executor:  # chosen on the first round: recorded at once, for a rerun to pin
+            self.tracker.set_tags(self.run_id, {EXECUTOR_TAG: result.executor})
+            self.executor = result.executor
         metrics = {k: v for k, v in result.metrics.items() if not k.startswith("test_")}
         self.pending += self.tracker.new_metrics(self.run_id, metrics, step=result.round)
         if time.monotonic() - self.flushed_at >= self.flush_seconds:

@@ -3,21 +3,25 @@ tables), and the labels that tell several runs apart."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.client_effects import participating
 from fedpilot.errors import NoSuchRun
 from fedpilot.metric_names import COHORT, HEADLINE_STATS, TASK_METRICS
-from fedpilot.tracking import CACHE_SOURCE_TAG, CACHE_TAG, CLIENTS_TABLE, PIPELINE_TAG, STAGE_TAG
+from fedpilot.tracking import (
+    CACHE_SOURCE_TAG,
+    CACHE_TAG,
+    CLIENTS_TABLE,
+    PIPELINE_TAG,
+    STAGE_TAG,
+    read_json,
+    stage_runs,
+)
 
 # The per-client metrics any task records with their whole distribution, by name
 DISTRIBUTED = sorted({m for metrics in TASK_METRICS.values() for m, whole in metrics.items() if whole})
@@ -71,10 +75,8 @@ def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
     """A finished (or partly finished) pipeline run and its stage runs, newest run per stage index."""
     run = get_run(client, run_id)
     if PIPELINE_TAG not in run.data.tags:
-        raise NoSuchRun("RUN_ID", run_id, "not a fedpilot pipeline run (tag fedpilot.pipeline)")
-    children = client.search_runs([run.info.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{run_id}'",
-                                  order_by=["attributes.start_time ASC"])
-    newest = {int(r.data.tags["fedpilot.stage_index"]): r for r in children if STAGE_TAG in r.data.tags}
+        raise NoSuchRun("RUN_ID", run_id, f"not a fedpilot pipeline run (tag {PIPELINE_TAG})")
+    newest = {i: r for i, r in stage_runs(client, run.info.experiment_id, run_id).items() if STAGE_TAG in r.data.tags}
     stages = [_stage(client, newest[i]) for i in sorted(newest)]
     stages = [s for s in stages if not s.clients.empty]
     if not stages:
@@ -157,8 +159,5 @@ def clients_frame(client: MlflowClient, run_id: str) -> pd.DataFrame:
 
 def read_table(client: MlflowClient, run_id: str, path: str) -> pd.DataFrame:
     """A table a run logged with MLflow's log_table (empty when it has none)."""
-    if path not in {a.path for a in client.list_artifacts(run_id)}:
-        return pd.DataFrame()
-    with tempfile.TemporaryDirectory() as tmp:
-        table = json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text())
-    return pd.DataFrame(table["data"], columns=table["columns"])
+    table = read_json(client, run_id, path)
+    return pd.DataFrame() if table is None else pd.DataFrame(table["data"], columns=table["columns"])

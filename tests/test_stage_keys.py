@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 import fedpilot
@@ -74,3 +75,28 @@ def test_the_runner_the_comparison_and_the_plan_key_a_stage_alike(workdir):
     other = load_pipeline(path, ["stages.1.params.lr_v=0.02"])
     assert shared_stages([spec, other]) == 1 and shared_stages([spec, load_pipeline(path, ["seed=1"])]) == 0
     assert shared_stages([spec, load_pipeline(path, ["stages.1.name=tune"])]) == 2  # names are not in a key
+
+
+def test_a_rerun_pins_the_executors_its_run_recorded(workdir, monkeypatch):
+    """Under `execution: auto` each stage records the executor it chose with its clients per call and per chunk
+    (tags fedpilot.executor, fedpilot.execution, after its first round); a rerun given those (what `--resume` passes
+    for a stage without a checkpoint, and a comparison for a unit run again) runs them without timing the candidates,
+    so a loaded machine cannot change its numbers."""
+    from fedpilot.engine.accel import ExecutorChoice
+    from fedpilot.engine.config import EXECUTORS
+    from fedpilot.pipeline.runner import PipelineRunner
+    from fedpilot.tracking import recorded_executions
+
+    spec = load_pipeline(write_pipeline(workdir, TINY), [])
+    first = PipelineRunner(spec, cache_dir=workdir / "first", progress=False)
+    done = first.run()
+    recorded = recorded_executions(first.tracker.client, first.tracker.experiment_id, done.run_id)
+    assert sorted(recorded) == [0, 1] and {pin["execution"] for pin in recorded.values()} <= set(EXECUTORS), recorded
+    monkeypatch.setattr(ExecutorChoice, "time", lambda *args: pytest.fail("a pinned stage timed the candidates"))
+    again = PipelineRunner(spec, cache_dir=workdir / "again", progress=False, executions=recorded)
+    assert again._recorded_executions(done.run_id) == recorded  # --resume's pins: no stage kept a checkpoint
+    rerun = again.run()
+    assert recorded_executions(again.tracker.client, again.tracker.experiment_id, rerun.run_id) == recorded
+    for one, two in zip(done.stages, rerun.stages, strict=True):
+        assert {k: v for k, v in two.metrics.items() if not k.startswith(("peak_", "executor_"))} == {
+            k: v for k, v in one.metrics.items() if not k.startswith(("peak_", "executor_"))}, one.name  # bit for bit

@@ -41,6 +41,7 @@ PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fed
 STAGE_INDEX_TAG, ALGORITHM_TAG = "fedpilot.stage_index", "fedpilot.algorithm"  # a stage run's place and method
 CACHE_KEY_TAG = "fedpilot.cache_key"  # a stage run: its stage cache key
 EXECUTOR_TAG = "fedpilot.executor"  # a stage run: the executor it ran (chosen on its first round under `auto`)
+EXECUTION_TAG = "fedpilot.execution"  # a stage run: its executor, clients per call and per chunk (JSON): a rerun's pin
 CHECKPOINTS_TAG = "fedpilot.checkpoints"  # a pipeline run: the folder of its checkpoints while it trains
 FINGERPRINT_TAG = "fedpilot.dataset_fingerprint"  # a pipeline run: its federated data's fingerprint
 SEED_TAG = "fedpilot.seed"  # a trial's or a comparison's pipeline run: the seed it trained on
@@ -317,11 +318,11 @@ def stage_runs(client: MlflowClient, experiment_id: str, parent: str) -> dict[in
     return {int(r.data.tags[STAGE_INDEX_TAG]): r for r in runs if STAGE_INDEX_TAG in r.data.tags}
 
 
-def recorded_executors(client: MlflowClient, experiment_id: str, parent: str) -> dict[int, str]:
-    """The executor each stage of the pipeline run `parent` ran, by stage index (as far as it got: a stage records
-    its choice after its first round)."""
-    return {i: run.data.tags[EXECUTOR_TAG] for i, run in stage_runs(client, experiment_id, parent).items()
-            if EXECUTOR_TAG in run.data.tags}
+def recorded_executions(client: MlflowClient, experiment_id: str, parent: str) -> dict[int, dict[str, Any]]:
+    """How each stage of the pipeline run `parent` ran, by stage index, as far as it got (a stage records it after
+    its first round): its executor, and the clients it took per call and per chunk (EXECUTION_TAG)."""
+    return {i: json.loads(run.data.tags[EXECUTION_TAG]) for i, run in stage_runs(client, experiment_id, parent).items()
+            if EXECUTION_TAG in run.data.tags}
 
 
 def read_artifact(client: MlflowClient, run_id: str, path: str) -> str | None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import optuna
 from mlflow import MlflowClient
@@ -40,7 +41,7 @@ from fedpilot.tracking import (
     Tracker,
     close_orphans,
     read_json,
-    recorded_executors,
+    recorded_executions,
     schema_init_lock,
 )
 from fedpilot.tuning import Search, StudyScope, fail_stale, study_storage
@@ -242,7 +243,7 @@ class Work:
             values = self.summary(unit.pipeline, look.trials.get(unit.pipeline)).chosen if unit.variant == TUNED \
                 else None
             runner = PipelineRunner(self.plan.spec(unit.pipeline, unit.seed, values), cache_dir=self.cache_dir,
-                                    progress=self.progress, executions=self._executors(earlier))
+                                    progress=self.progress, executions=self._executions(earlier))
             tags = {COMPARE_TAG: self.plan.comparison.name, COMPARE_RUN_TAG: self.run_id, VARIANT_TAG: unit.variant,
                     SEED_TAG: str(unit.seed)}
             variant = f" {unit.variant}" if self.plan.tuning else ""
@@ -266,12 +267,12 @@ class Work:
             if run.info.status == "RUNNING":
                 close_orphans(self.tracker.uri, run.info.run_id, "the comparison process running it died")
 
-    def _executors(self, earlier: list[Run]) -> dict[int, str]:
-        """The executor each stage of a unit's newest earlier run chose (none for a unit's first run)."""
+    def _executions(self, earlier: list[Run]) -> dict[int, dict[str, Any]]:
+        """How each stage of a unit's newest earlier run ran, as it recorded it (none for a unit's first run)."""
         if not earlier:
             return {}
         newest = max(earlier, key=lambda run: run.info.start_time)
-        return recorded_executors(self.tracker.client, self.tracker.experiment_id, newest.info.run_id)
+        return recorded_executions(self.tracker.client, self.tracker.experiment_id, newest.info.run_id)
 
     def _cached_written(self) -> list[Unit]:
         """The pipelines as written whose every stage the stage cache holds on every comparison seed (their keys

@@ -32,7 +32,7 @@ from fedpilot.names import safe_path
 from fedpilot.pipeline.cache import StageCache, novel_recipe, stage_keys
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
-from fedpilot.pipeline.round_metrics import RoundMetrics
+from fedpilot.pipeline.round_metrics import RoundMetrics, execution_tags
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
 from fedpilot.pipeline.stage_record import SPLITS, stage_record
 from fedpilot.report import log_report
@@ -44,13 +44,12 @@ from fedpilot.tracking import (
     CACHE_SOURCE_TAG,
     CACHE_TAG,
     ERROR_ARTIFACT,
-    EXECUTOR_TAG,
     NOTE_TAG,
     RESUMABLE_TAG,
     STOPPED,
     Tracker,
     flatten,
-    recorded_executors,
+    recorded_executions,
 )
 
 
@@ -80,11 +79,11 @@ class PipelineRunner:
 
     def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True,
                  use_cache: bool = True, extra_callbacks: Callable[[int], list[Callback]] | None = None,
-                 executions: dict[int, str] | None = None):
+                 executions: dict[int, dict[str, Any]] | None = None):
         """`extra_callbacks(round_offset)`: more callbacks for each trained stage, given the rounds of the stages
-        before it (a search's pruning callback). `executions`: the executor a stage under `execution: auto` runs
-        instead of timing the candidates, by stage index (what an earlier run of the same spec chose: a rerun
-        computes the same numbers)."""
+        before it (a search's pruning callback). `executions`: how a stage under `execution: auto` runs instead of
+        timing the candidates, by stage index (what an earlier run of the same spec recorded, tracking's
+        EXECUTION_TAG: its executor, clients per call and per chunk), so that a rerun computes the same numbers."""
         self.spec, self.progress, self.use_cache = spec, progress, use_cache
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
@@ -95,7 +94,7 @@ class PipelineRunner:
                                                                  prepared.novel_tensors)
             self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.keys = stage_keys(spec, self.data.fingerprint, self.device.type)
-        self.executions = {i: name for i, name in (executions or {}).items() if name != AUTO}
+        self.executions = {i: pin for i, pin in (executions or {}).items() if pin.get("execution", AUTO) != AUTO}
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks = extra_callbacks or (lambda round_offset: [])
@@ -117,7 +116,7 @@ class PipelineRunner:
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
             self.tracker.resume(run_id)
-            self.executions = {**self._recorded_executors(resume), **self.executions}
+            self.executions = {**self._recorded_executions(resume), **self.executions}
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
@@ -149,11 +148,11 @@ class PipelineRunner:
             raise
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
-    def _recorded_executors(self, parent: str) -> dict[int, str]:
-        """The executor each stage of the resumed run `parent` recorded, where the stage has no checkpoint (one
-        restores the choice with its chunks)."""
-        return {i: name for i, name in recorded_executors(self.tracker.client, self.tracker.experiment_id,
-                                                          parent).items()
+    def _recorded_executions(self, parent: str) -> dict[int, dict[str, Any]]:
+        """How each stage of the resumed run `parent` ran, as it recorded it, where the stage has no checkpoint (one
+        restores its choice itself)."""
+        return {i: pin for i, pin in recorded_executions(self.tracker.client, self.tracker.experiment_id,
+                                                         parent).items()
                 if not (self._checkpoints(parent, i) / "last.ckpt").is_file()}
 
     def cached(self) -> bool:
@@ -192,12 +191,13 @@ class PipelineRunner:
         split = apply_split(self.model, split_spec, dim)
         novel, select = self._novel_clients(i), spec.evaluation.select == "val" and i == len(spec.stages) - 1
         config = stage_spec.engine_config(spec.evaluation)
-        if config.execution == AUTO and i in self.executions:
-            config = config.model_copy(update={"execution": self.executions[i]})
         own = [*split.personal_names, *sorted(algorithm.constants)]  # what each client holds of its own
         bank = None if before is None else carry_bank(before.bank, before.model, own, before.config.host_memory_budget)
-        return FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
-                              stage_spec.name, novel, select)
+        stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
+                               stage_spec.name, novel, select)
+        if i in self.executions:  # as a checkpoint restores it: a choice `execution: auto` need not time
+            stage.executor_choice.load_state_dict(self.executions[i])
+        return stage
 
     def _novel_clients(self, i: int) -> NovelClients | None:
         """Stage i's held-out clients and how they adapt: the pipeline's fine-tuning recipe (its first `finetune`
@@ -323,7 +323,7 @@ class PipelineRunner:
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
                      **stage.executor_choice.record()}
-            self.tracker.set_tags(run_id, {EXECUTOR_TAG: stage.execution})  # chosen on the first round
+            self.tracker.set_tags(run_id, execution_tags(stage))  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)

@@ -850,6 +850,8 @@ COMPARE_CASES = [
     set_case("slurm-time-flag", "--time='forever'", {}, "--tune", "1", "--to", "slurm", "--time", "forever",
              queued=True),
     set_case("slurm-mem-flag", "--mem='lots'", {}, "--to", "slurm", "--mem", "lots"),
+    set_case("slurm-controller-down", "--to='slurm': Slurm's", {}, "--tune", "1", "--to", "slurm",
+             environment={"SLURM_CONF": "/nonexistent/slurm.conf"}, queued=True),
     set_case("storage-closed-when-queued", f"--storage='{CLOSED_SHOWN}'", {}, *QUEUED, "--storage", CLOSED,
              queued=True),
     set_case("tracking-closed-when-queued", "MLFLOW_TRACKING_URI='postgresql+psycopg://u:***@127.0.0.1:1/none'",

@@ -377,12 +377,15 @@ def _send_comparison(plan: Any, resume: str | None, target: Any, parallel: int, 
 
     from fedpilot.cli.jobs import send
     from fedpilot.compare.run import comparison_run
-    from fedpilot.jobs.backend import configured
+    from fedpilot.jobs.backend import SLURM, configured
+    from fedpilot.jobs.slurm import reach_slurm
 
     first = next(iter(plan.specs.values()))[plan.seeds[0]]
     spec = {"name": plan.comparison.name, "device": first.device, "tracking": {"uri": first.tracking.uri},
             **({"slurm": first.slurm.model_dump(exclude_none=True)} if first.slurm else {})}
     configured(target, spec, flags)  # --gpus with --to queue, $FEDPILOT_SLURM: refused before any run exists
+    if target.name == SLURM:
+        reach_slurm()
     tracker, run_id, made = comparison_run(plan, resume)
     fields = {"kind": "compare", "pipeline": plan.comparison.name, "spec": json.dumps(spec), "run_id": run_id}
     try:

@@ -5,6 +5,7 @@ killed comparison run again finishes every run once; bad input is refused before
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -314,3 +316,52 @@ def running_trial(storage: str, number: int, within: float, proc: subprocess.Pop
                 return Running(name, number)
         time.sleep(0.2)
     raise AssertionError(f"no trial {number} ran within {within} s ({proc.poll()=})")
+
+
+def alive(*kinds: type) -> dict[str, int]:
+    """How many objects of each of `kinds` the process holds, by name, when any: after full collections until one
+    frees nothing (a finalizer run by one may let go of a cycle the next one frees: garbage, not held)."""
+    while gc.collect():
+        pass
+    counts = Counter(kind.__name__ for obj in gc.get_objects() for kind in kinds if isinstance(obj, kind))
+    return dict(counts)
+
+
+def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, monkeypatch):
+    """A tuned comparison's memory is bounded by one pipeline's: once a trial or a run has finished, no runner,
+    stage, trainer, model or tensor of it is alive; once the comparison has finished, no search or study either,
+    and no figure."""
+    import lightning as L
+    from matplotlib import pyplot as plt
+
+    import fedpilot.compare.work as work
+    import fedpilot.tuning as tuning
+    from fedpilot.engine.stage import FederatedStage
+    from fedpilot.pipeline.runner import PipelineRunner
+
+    held: list[dict[str, int]] = []
+    kinds = (PipelineRunner, FederatedStage, L.Trainer)
+
+    def counted(method):
+        def call(*args, **kwargs):
+            held.append(census(kinds))  # before the next trial or run: what the ones before it left (a pruned
+            return method(*args, **kwargs)  # trial's exception holds its stages until it has been handled)
+        return call
+
+    monkeypatch.setattr(tuning.Search, "_trained", counted(tuning.Search._trained))
+    monkeypatch.setattr(work.Work, "_run", counted(work.Work._run))
+    code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
+    assert code == 0, output
+    assert held == [{"parameters": 0}] * (2 * 3 + 2 * 2), held  # before each of 6 trials and 4 runs
+    assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == {"parameters": 0}
+    assert plt.get_fignums() == []
+
+
+def census(kinds: tuple[type, ...]) -> dict[str, int]:
+    """The objects of `kinds` alive and the model parameters alive (counted, never touched: calling a method of a
+    tensor or a module found this way, its storage, kept objects alive in this census's first version). A
+    parameterless module, Flatten or ReLU, may outlive its run: the loop executors' worker threads keep the last
+    traced graph of the model's layers, which holds no tensor."""
+    import torch
+
+    return {**alive(*kinds), "parameters": sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())}

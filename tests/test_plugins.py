@@ -411,6 +411,13 @@ def test_a_plugins_failure_is_one_line_naming_it_with_its_traceback_in_the_runs_
     code, output = cli("--debug", "run", path, "--no-progress")
     assert code == 1 and "Traceback (most recent call last)" in output and "ZeroDivisionError" in output, output
     assert len([line for line in output.splitlines() if line.startswith("error: ")]) == 1
+    searched = {**crashing, "search": {**PIPELINE["search"], "space": {"stages.0.local.lr": {
+        "type": "float", "low": 0.01, "high": 0.1, "log": True}}}}  # a trial crashes: the search stops, named
+    code, output = cli("search", str(write_pipeline(workdir, searched)), "--trials", "1", "--storage",
+                       f"sqlite:///{workdir}/studies.db")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
+    assert "error: stage 'buggy' (plugin `boom" in errors[0] and "(traceback: " in errors[0], output
 
 
 def test_space_auto_searches_what_the_plugin_declares_and_refuses_a_plugin_declaring_nothing(lab, workdir):

@@ -180,7 +180,9 @@ class Work:
                 studied = not self.plan.tuning or self.studied(look.trials[pipeline])
                 if not studied:
                     _unless_stopped()
-                    busy |= self._tune(pipeline, look.trials[pipeline])
+                    if self._tune(pipeline, look.trials[pipeline]):  # its runs at once when this process finished it
+                        busy, look.trials[pipeline] = True, self._trials(pipeline)
+                        studied = self.studied(look.trials[pipeline])
                 for unit in [u for u in left if u.pipeline == pipeline and (u.variant == WRITTEN or studied)]:
                     _unless_stopped()
                     busy |= self._run(unit, look)

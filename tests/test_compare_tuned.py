@@ -329,8 +329,8 @@ def alive(*kinds: type) -> dict[str, int]:
 
 def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, monkeypatch):
     """A tuned comparison's memory is bounded by one pipeline's: once a trial or a run has finished, no runner,
-    stage, trainer, model or tensor of it is alive; once the comparison has finished, no search or study either,
-    and no figure."""
+    stage, trainer or model parameter of it is alive, nor left for the garbage collector when the next run starts
+    training; once the comparison has finished, no search or study either, and no figure."""
     import lightning as L
     from matplotlib import pyplot as plt
 
@@ -348,11 +348,24 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
             return method(*args, **kwargs)  # trial's exception holds its stages until it has been handled)
         return call
 
+    left: list[dict[str, int]] = []  # as a run's first stage starts, not collected: what stands under its peak
+    stages = PipelineRunner._stages
+
+    def first_stage(self, *args, **kwargs):
+        left.append(dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))))
+        return stages(self, *args, **kwargs)
+
     monkeypatch.setattr(tuning.Search, "_trained", counted(tuning.Search._trained))
     monkeypatch.setattr(work.Work, "_run", counted(work.Work._run))
-    code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
+    monkeypatch.setattr(PipelineRunner, "_stages", first_stage)
+    gc.disable()  # whenever Python's own collector would run: the runner frees what earlier runs left itself
+    try:
+        code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
+    finally:
+        gc.enable()
     assert code == 0, output
     assert held == [{"parameters": 0}] * (2 * 3 + 2 * 2), held  # before each of 6 trials and 4 runs
+    assert left == [{"PipelineRunner": 1}] * (2 * 3 + 2 * 2), left  # the run's own runner, nothing left to collect
     assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == {"parameters": 0}
     assert plt.get_fignums() == []
 

@@ -133,10 +133,9 @@ def finished_runs(tracker: Tracker, run_id: str, runs: Iterable[Run] | None = No
 
 @dataclass
 class Look:
-    """What one pass of a comparison's loop reads of the stores, once: every pipeline run of the comparison, the
-    units done, each study's trials."""
+    """What one pass of a comparison's loop reads of the stores, once: the units done (from every pipeline run of
+    the comparison), each study's trials."""
 
-    runs: list[Run]
     done: dict[Unit, Run]
     trials: dict[str, list[optuna.trial.FrozenTrial]] = field(default_factory=dict)
 
@@ -165,8 +164,7 @@ class Work:
     def look(self) -> Look:
         """The stores as they are now, read once: the comparison's runs, and each study's trials (stale ones failed
         and retried first: a trial no process runs any more never holds the comparison up)."""
-        runs = list(runs_of(self.tracker, self.run_id))
-        return Look(runs, finished_runs(self.tracker, self.run_id, runs),
+        return Look(finished_runs(self.tracker, self.run_id),
                     {pipeline: self._trials(pipeline) for pipeline in self.plan.tuning})
 
     def _units(self) -> None:

@@ -3,6 +3,7 @@ each starting from the previous stage's shared model and personal bank, recordin
 
 from __future__ import annotations
 
+import gc
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -113,6 +114,7 @@ class PipelineRunner:
         A run of its own (not nested) ends with its report (`report.html`) when the pipeline has `tracking.plots`."""
         spec = self.spec
         with_report = spec.tracking.plots and parent is None
+        free_what_earlier_runs_left(self.device)
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
             self.tracker.resume(run_id)
@@ -231,6 +233,8 @@ class PipelineRunner:
             last = stage.guard.last_round if stage is not None else None
             raise StageCrashed(spec.name, ALGORITHMS.origin(spec.algorithm), None if last is None else last + 1, err,
                                raised_at(err)) from err
+        finally:
+            self._at = (0, None)  # the runner outlives its stages
 
     def _outcomes(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
         outcomes, offset = [], 0
@@ -328,3 +332,12 @@ class PipelineRunner:
                                            stage.task.primary)
             self.tracker.finish(run_id)
         return StageOutcome(index, name, cache, run_id, report.primary, {**report.metrics, **report.memory})
+
+
+def free_what_earlier_runs_left(device: torch.device) -> None:
+    """Free what earlier runs in this process left for the garbage collector before a run allocates: a finished
+    stage and its trainer hold each other, and a trial pruned or stopped left them to its exception, so only a full
+    collection frees them (Python runs one rarely): in a study's or a comparison's process, each run's peak stood on
+    what the runs before it left (docs/benchmarks.md). The allocator's freed memory goes back to the system too."""
+    gc.collect()
+    release_freed_memory(device)

@@ -2,8 +2,10 @@
 
 `python tests/ddp_cases.py 2 OUT.pt` trains every case with `Trainer(strategy=DDPStrategy(...), accelerator="cpu",
 devices=2)`: Lightning re-runs this script as rank 1, each process trains a slice of every cohort, and rank 0
-saves each stage's state (shared parameters, personal and state banks), evaluation history, per-round bytes and
-last training stats to OUT.pt. tests/test_ddp.py compares them with `train_cases(1)`.
+saves each stage's state (shared parameters, personal and state banks), evaluation history, each client's final
+metrics, per-round bytes and last training stats to OUT.pt. tests/test_ddp.py compares them with `train_cases(1)`.
+Every case runs the executor EXECUTION: under `execution: auto` the choice is timed, and on a loaded machine the
+two runs could choose differently and compute different floats (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fedpilot.algorithms import build_algorithm
 from fedpilot.engine.config import LocalConfig, StageConfig
 from fedpilot.models.zoo import build_model
 
+EXECUTION = "vmap"
 HEAD = ["head.weight", "head.bias"]
 GATE = ["gate.budget", "gate.norm.weight", "gate.norm.bias", "gate.gates.weight", "gate.gates.bias",
         "gate.importance.weight", "gate.importance.bias"]
@@ -50,7 +53,7 @@ def train_cases(devices: int) -> dict[str, dict[str, Any]]:
     for name, (algorithm, params, personal, server) in CASES.items():
         torch.manual_seed(0)
         config = StageConfig(rounds=3, clients_per_round=7, local=LocalConfig(epochs=1, batch_size=4, lr=0.1),
-                             server=server, eval_every=3)
+                             server=server, eval_every=3, execution=EXECUTION)
         stage = stage_for(model_for(algorithm), personal, ToyData(), build_algorithm(algorithm, params), config,
                                seed=3)
         strategy = DDPStrategy(forward_sync_buffers=False) if devices > 1 else "auto"
@@ -59,7 +62,7 @@ def train_cases(devices: int) -> dict[str, dict[str, Any]]:
                             enable_model_summary=False)
         trainer.fit(stage)
         results[name] = {"state": copy.deepcopy(stage.state_dict()), "history": stage.history,
-                         "comm_bytes": stage.comm_bytes,
+                         "clients": copy.deepcopy(stage.client_metrics), "comm_bytes": stage.comm_bytes,
                          "train": {k: stage.round_log[k] for k in ("train_loss", "train_acc")}}
     return results
 

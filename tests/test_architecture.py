@@ -1,6 +1,6 @@
 """What docs/architecture.md says of the code's shape, checked: who may import whom, one root for the errors a user
-can fix and which layer raises which, nothing below the CLI printing, no function over 60 lines, and no link in the
-docs that leaves the repository."""
+can fix and which layer raises which, nothing below the CLI printing, tag names owned by tracking.py, no function over
+60 lines, and no link in the docs that leaves the repository."""
 
 from __future__ import annotations
 
@@ -126,6 +126,18 @@ def test_an_algorithms_module_raises_no_user_error():
                                                       for b in node.bases):
                 raised = [ast.unparse(n.exc) for n in ast.walk(node) if isinstance(n, ast.Raise) and n.exc]
                 assert not [r for r in raised if "SpecError" in r or "UserError" in r], (path.name, node.name)
+
+
+def test_tracking_owns_every_tag_name():
+    """Every `fedpilot.*` tag is named once, in tracking.py (its `*_TAG` constants): no other module spells one."""
+    from fedpilot import tracking
+
+    tags = {value for name, value in vars(tracking).items() if name.endswith("_TAG") and isinstance(value, str)
+            and value.startswith("fedpilot.")}
+    assert {"fedpilot.seed", "fedpilot.stage_index", "fedpilot.executor", "fedpilot.compare_run"} <= tags
+    spelled = [(module_name(path), tag) for path in MODULES if path.name != "tracking.py"
+               for tag in tags if f'"{tag}"' in path.read_text() or f"'{tag}'" in path.read_text()]
+    assert not spelled, spelled
 
 
 def test_no_function_is_longer_than_60_lines():

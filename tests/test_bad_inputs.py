@@ -780,3 +780,137 @@ def test_a_lookup_in_a_store_that_does_not_exist_creates_none(args, tmp_path, mo
     code, output = cli(*args)
     assert code == 2 and output.startswith("error: ") and "no such" in output and "Traceback" not in output, output
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- tuned comparisons, storages, queues and Slurm (issue 51): every file and table as it was ----------------
+
+CLOSED = "postgresql://u:pw@127.0.0.1:1/none"  # a database server that is not there (nothing listens on port 1)
+CLOSED_SHOWN = "postgresql://u:***@127.0.0.1:1/none"
+FIRST = edit(BASE, name="first", stages__1__algorithm="fedavg", stages__1__params={})  # shares stage 0 with BASE
+SET = {"name": "pair", "seeds": 1, "pipelines": ["first.yaml", "pipeline.yaml"]}
+QUEUED = ("--tune", "1", "--to", "queue")  # what the folder of a `queued` case already holds: this comparison queued
+
+
+def set_case(name: str, expect: str, changes: dict[str, Any] | None = None, *args: str, command: str = "compare",
+             environment: dict[str, str] | None = None, queued: bool = False) -> Any:
+    """A comparison's bad input: the set file SET with `changes` (None deletes a key), the command's arguments after
+    it, the environment; `queued`: refused in a folder where the same comparison was queued already."""
+    return pytest.param(changes or {}, command, args, environment or {}, expect, queued, id=name)
+
+
+COMPARE_CASES = [
+    # ---- the tune block and the options that set it --------------------------------------------------------
+    set_case("tune-scalar-with-tune-option", "tune=8: a mapping of the tuning settings", {"tune": 8}, "--tune", "2"),
+    set_case("tune-yes-with-untuned", "tune='yes': a mapping of the tuning settings", {"tune": "yes"}, "--untuned"),
+    set_case("tune-list", "tune=[2]: a mapping", {"tune": [2]}),
+    set_case("tune-null-with-untuned", "--untuned=True: runs the pipelines as written", {"tune": None}, "--untuned"),
+    set_case("tune-option-text", "--tune='abc': input should be a valid integer", {}, "--tune", "abc"),
+    set_case("tune-option-fraction", "--tune='1.5': input should be a valid integer", {}, "--tune", "1.5"),
+    set_case("tune-option-zero", "--tune=0: must be from 1", {}, "--tune", "0"),
+    set_case("tune-trials-past-sql", "tune.trials=2147483648", {"tune": {"trials": 2**31}}),
+    set_case("tune-unknown-key", "tune.trails=3: unknown key", {"tune": {"trials": 1, "trails": 3}}),
+    set_case("tune-objective-test", "tune.objective='test_acc_mean': tuning reads the validation split only",
+             {"tune": {"trials": 1, "objective": "test_acc_mean"}}),
+    set_case("tune-objective-novel-without-novel-clients", "tune.objective='novel_val_acc_mean': pipelines.0 "
+             "(first.yaml): not recorded by task classification (novel_* needs evaluation.novel_clients)",
+             {"tune": {"trials": 1, "objective": "novel_val_acc_mean"}}),
+    set_case("tune-objective-val-without-val", "tune.objective='val_acc_mean': pipelines.0 (first.yaml): no client "
+             "has a validation sample", {"tune": {"trials": 1}}, "dataset.split={train: 0.8, val: 0, test: 0.2}"),
+    set_case("tune-seeds-overlap", "tune.seeds=[0]: overlap the comparison's seeds", {"tune": {"trials": 1,
+                                                                                             "seeds": [0]}}),
+    set_case("tune-seed-past-32-bits", "tune.seeds.0=4294967296", {"tune": {"trials": 1, "seeds": [2**32]}}),
+    set_case("default-tuning-seed-past-32-bits", "seeds=[4294967295]: the studies tune on the seed after the "
+             "largest by default, 4294967296", {"seeds": [2**32 - 1]}, "--tune", "1"),
+    set_case("tune-sampler-unknown", "tune.sampler.kind='grid'", {"tune": {"trials": 1, "sampler": {"kind": "grid"}}}),
+    set_case("tune-pruner-unknown", "tune.pruner.kind='fast'", {"tune": {"trials": 1, "pruner": {"kind": "fast"}}}),
+    set_case("tune-budget-not-boolean", "tune.tune_budget=", {"tune": {"trials": 1, "tune_budget": "maybe"}}),
+    # ---- storages and tracking stores: opened before anything is created -----------------------------------
+    set_case("storage-closed", f"--storage='{CLOSED_SHOWN}': cannot connect to the database", {}, "--tune", "1",
+             "--storage", CLOSED),
+    set_case("fedpilot-db-closed", f"FEDPILOT_DB='{CLOSED_SHOWN}': cannot connect", {}, "--tune", "1",
+             environment={"FEDPILOT_DB": CLOSED}),
+    set_case("tracking-store-closed", "MLFLOW_TRACKING_URI='postgresql+psycopg://u:***@127.0.0.1:1/none': cannot "
+             "connect", {}, environment={"MLFLOW_TRACKING_URI": "postgresql+psycopg://u:pw@127.0.0.1:1/none"}),
+    set_case("storage-scheme-unknown", "--storage='redis://localhost'", {}, "--storage", "redis://localhost"),
+    set_case("storage-no-driver", "--storage='mysql://u:***@localhost/x': its driver is not installed", {},
+             "--storage", "mysql://u:pw@localhost/x"),
+    set_case("search-storage-closed", f"--storage='{CLOSED_SHOWN}': cannot connect", {}, "--storage", CLOSED,
+             command="search"),
+    set_case("run-tracking-store-closed", "MLFLOW_TRACKING_URI='postgresql+psycopg://u:***@127.0.0.1:1/none'", {},
+             command="run", environment={"MLFLOW_TRACKING_URI": "postgresql+psycopg://u:pw@127.0.0.1:1/none"}),
+    set_case("submit-db-closed", f"FEDPILOT_DB='{CLOSED_SHOWN}': cannot connect", {}, command="submit",
+             environment={"FEDPILOT_DB": CLOSED}),
+    # ---- where the work goes: refused before a run is found or made, a queued comparison left as it was -------
+    set_case("gpus-with-queue", "--gpus=1: a Slurm option: add --to slurm", {}, "--tune", "1", "--to", "queue",
+             "--parallel", "2", "--gpus", "1", queued=True),
+    set_case("slurm-environment-gpus", "FEDPILOT_SLURM.gpus='many'", {}, "--tune", "1", "--to", "slurm",
+             environment={"FEDPILOT_SLURM": "gpus=many"}, queued=True),
+    set_case("slurm-environment-unknown-key", "FEDPILOT_SLURM='gpu=1': not KEY=VALUE with a known key", {}, "--tune",
+             "1", "--to", "slurm", environment={"FEDPILOT_SLURM": "gpu=1"}, queued=True),
+    set_case("slurm-time-flag", "--time='forever'", {}, "--tune", "1", "--to", "slurm", "--time", "forever",
+             queued=True),
+    set_case("slurm-mem-flag", "--mem='lots'", {}, "--to", "slurm", "--mem", "lots"),
+    set_case("slurm-controller-down", "--to='slurm': Slurm's", {}, "--tune", "1", "--to", "slurm",
+             environment={"SLURM_CONF": "/nonexistent/slurm.conf"}, queued=True),
+    set_case("storage-closed-when-queued", f"--storage='{CLOSED_SHOWN}'", {}, *QUEUED, "--storage", CLOSED,
+             queued=True),
+    set_case("tracking-closed-when-queued", "MLFLOW_TRACKING_URI='postgresql+psycopg://u:***@127.0.0.1:1/none'",
+             {}, *QUEUED, environment={"MLFLOW_TRACKING_URI": "postgresql+psycopg://u:pw@127.0.0.1:1/none"},
+             queued=True),
+    set_case("parallel-without-to", "--parallel=2: starts workers elsewhere", {}, "--parallel", "2"),
+    set_case("to-unknown", "--to='cloud': not a place jobs run", {}, "--to", "cloud"),
+    set_case("parallel-huge", "--parallel=5000", {}, "--to", "queue", "--parallel", "5000"),
+    set_case("heartbeat-zero", "--heartbeat-seconds=0", {}, "--heartbeat-seconds", "0"),
+    set_case("resume-with-set-file", "--resume='abc': a resumed comparison uses its recorded plan", {}, "--resume",
+             "abc"),
+    set_case("cancel-not-a-number", "JOB_ID='abc': input should be a valid integer", None, "abc", command="cancel"),
+    set_case("cancel-option-unknown", "No such option: --force (see fedpilot cancel --help)", None, "1", "--force",
+             command="cancel"),
+]
+
+
+def write_set(place: dict[str, Path], changes: dict[str, Any]) -> Path:
+    """The set SET (with `changes`) of FIRST and BASE in the case's folder."""
+    write(FIRST, place, "first.yaml")
+    write(BASE, place)
+    return write({k: v for k, v in {**SET, **changes}.items() if v is not None}, place, "set.yaml")
+
+
+@pytest.mark.parametrize(("changes", "command", "args", "environment", "expect", "queued"), COMPARE_CASES)
+def test_a_refused_comparison_leaves_every_file_and_table_as_it_was(place, monkeypatch, changes, command, args,
+                                                                     environment, expect, queued):
+    comparison = write_set(place, changes)
+    if queued:
+        code, output = cli("compare", str(comparison), *QUEUED)
+        assert code == 0, output
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    target = {"compare": [str(comparison)], "search": [str(write(SEARCHABLE, place, "searchable.yaml"))]
+              if command == "search" else [], "run": [str(place["tmp"] / "pipeline.yaml")],
+              "submit": [str(place["tmp"] / "pipeline.yaml")], "cancel": []}[command]
+    before = stores(place["tmp"])
+    code, output = cli(command, *target, *args)
+    check_output(code, output, expect)
+    assert stores(place["tmp"]) == before  # every file; the databases' tables byte for byte
+    if queued:
+        assert (place["tmp"] / "fedpilot.db").exists() and rows(place["tmp"] / "fedpilot.db", "fedpilot_jobs") == 1
+
+
+def rows(database: Path, table: str) -> int:
+    with sqlite3.connect(database) as con:
+        return con.execute(f"select count(*) from {table}").fetchone()[0]
+
+
+def test_a_budget_only_space_in_a_comparison_names_the_sets_tune_budget(place, monkeypatch):
+    """A method whose only tunable is a budget (a plugin's, here fedalt made so): the comparison reads the set's
+    `tune.tune_budget`, and its error says so (not the pipeline's search.tune_budget, which a comparison ignores)."""
+    from fedpilot.algorithms import ALGORITHMS
+    from fedpilot.api import Tunable
+
+    monkeypatch.setattr(ALGORITHMS["fedalt"], "tunable", {"params.tau_v": Tunable(1, 10, budget=True)})
+    comparison = write_set(place, {"tune": {"trials": 1}})
+    before = stores(place["tmp"])
+    code, output = cli("compare", str(comparison))
+    check_output(code, output, "tune.tune_budget=False: pipelines.1 (pipeline.yaml): the searched stages declare "
+                 "only budgets (local steps, model size) as tunable: set tune.tune_budget: true in the set")
+    assert stores(place["tmp"]) == before

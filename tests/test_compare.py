@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from fedpilot.client_effects import CHANGES_TABLE, client_changes, every_seed, federation_note, seed_counts
 from fedpilot.report import REPORT_ARTIFACT, build
-from fedpilot.report.comparison_page import ComparisonRun, forest_figure
+from fedpilot.report.comparison_page import forest_figure
 from fedpilot.report.runs import clients_frame
 from fedpilot.stats.intervals import t_interval
 from fedpilot.stats.scores import summarize

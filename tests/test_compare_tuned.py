@@ -5,6 +5,7 @@ killed comparison run again finishes every run once; bad input is refused before
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -294,3 +296,119 @@ def test_compare_to_slurm_without_slurm_exits_2_and_creates_nothing(workdir, mon
     code, output = cli("compare", set_file, "--to", "slurm", "--storage", f"sqlite:///{workdir}/studies.db")
     assert code == 2 and "error: --to='slurm': Slurm's `sbatch` is not on PATH" in output, output
     assert sorted(p.name for p in workdir.iterdir()) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_a_comparison_stopped_inside_the_last_trial_of_a_study_runs_again_to_the_end(workdir, stop):
+    """Ctrl+C (or kill -9) 1.5 s into the last trial of the first study: that trial does not stay RUNNING for ever
+    (a stop fails it and retries it with its parameters at once; a dead process's trial goes stale and is retried
+    by whoever opens the study next), so the same command again finishes the study and every run."""
+    set_file, storage = write_set(workdir, pruner={"kind": "none"}), f"sqlite:///{workdir}/studies.db"
+    command = ["compare", set_file, "stages.1.rounds=150", "--storage", storage, "--heartbeat-seconds", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "fedpilot.cli", *command], cwd=workdir, env=os.environ.copy(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        last = running_trial(storage, number=2, within=300, proc=proc)
+        time.sleep(1.5)
+        assert proc.poll() is None, "the comparison ended before it could be stopped"
+    finally:
+        os.kill(proc.pid, stop)
+        _, stderr = proc.communicate(timeout=120)
+    study = optuna.load_study(study_name=last.study, storage=storage)
+    stopped = study.get_trials(deepcopy=False)[2]
+    assert stopped.state == optuna.trial.TrialState.FAIL if stop == signal.SIGINT else stopped.state.name in (
+        "RUNNING", "FAIL"), (stopped.state, stderr[-3000:])
+    rerun = subprocess.run([sys.executable, "-m", "fedpilot.cli", *command], cwd=workdir, env=os.environ.copy(),
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    trials = optuna.load_study(study_name=last.study, storage=storage).get_trials(deepcopy=False)
+    finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == 3 and finished[-1].params == stopped.params  # the stopped trial, retried
+    client, run_id = MlflowClient(), run_id_of(rerun.stdout)
+    runs = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'")
+    assert sorted((r.data.tags["fedpilot.pipeline"], r.data.tags["fedpilot.seed"]) for r in runs
+                  if r.info.status == "FINISHED") == [(p, s) for p in ("base", "other") for s in ("0", "1")]
+
+
+class Running:
+    def __init__(self, study: str, number: int):
+        self.study, self.number = study, number
+
+
+def running_trial(storage: str, number: int, within: float, proc: subprocess.Popen) -> Running:
+    """The first study of `storage` once its trial `number` is RUNNING (waiting at most `within` seconds)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            names = optuna.get_all_study_names(storage)
+        except Exception:  # the storage's tables do not exist yet
+            names = []
+        for name in names:
+            trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+            if len(trials) > number and trials[number].state == optuna.trial.TrialState.RUNNING:
+                return Running(name, number)
+        time.sleep(0.2)
+    raise AssertionError(f"no trial {number} ran within {within} s ({proc.poll()=})")
+
+
+def alive(*kinds: type) -> dict[str, int]:
+    """How many objects of each of `kinds` the process holds, by name, when any: after full collections until one
+    frees nothing (a finalizer run by one may let go of a cycle the next one frees: garbage, not held)."""
+    while gc.collect():
+        pass
+    counts = Counter(kind.__name__ for obj in gc.get_objects() for kind in kinds if isinstance(obj, kind))
+    return dict(counts)
+
+
+def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, monkeypatch):
+    """A tuned comparison's memory is bounded by one pipeline's: once a trial or a run has finished, no runner,
+    stage, trainer or model parameter of it is alive, nor left for the garbage collector when the next run starts
+    training; once the comparison has finished, no search or study either, and no figure."""
+    import lightning as L
+    from matplotlib import pyplot as plt
+
+    import fedpilot.compare.work as work
+    import fedpilot.tuning as tuning
+    from fedpilot.engine.stage import FederatedStage
+    from fedpilot.pipeline.runner import PipelineRunner
+
+    held: list[dict[str, int]] = []
+    kinds = (PipelineRunner, FederatedStage, L.Trainer)
+
+    def counted(method):
+        def call(*args, **kwargs):
+            held.append(census(kinds))  # before the next trial or run: what the ones before it left (a pruned
+            return method(*args, **kwargs)  # trial's exception holds its stages until it has been handled)
+        return call
+
+    left: list[dict[str, int]] = []  # as a run's first stage starts, not collected: what stands under its peak
+    stages = PipelineRunner._stages
+
+    def first_stage(self, *args, **kwargs):
+        left.append(dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))))
+        return stages(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuning.Search, "_trained", counted(tuning.Search._trained))
+    monkeypatch.setattr(work.Work, "_run", counted(work.Work._run))
+    monkeypatch.setattr(PipelineRunner, "_stages", first_stage)
+    gc.disable()  # whenever Python's own collector would run: the runner frees what earlier runs left itself
+    try:
+        code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
+    finally:
+        gc.enable()
+    assert code == 0, output
+    assert held == [{"parameters": 0}] * (2 * (3 + 1) + 2 * 2), held  # 6 trials, 2 noise seeds, 4 runs
+    assert left == [{"PipelineRunner": 1}] * (2 * (3 + 1) + 2 * 2), left  # the run's own runner, nothing left to collect
+    assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == {"parameters": 0}
+    assert plt.get_fignums() == []
+
+
+def census(kinds: tuple[type, ...]) -> dict[str, int]:
+    """The objects of `kinds` alive and the model parameters alive (counted, never touched: calling a method of a
+    tensor or a module found this way, its storage, kept objects alive in this census's first version). A
+    parameterless module, Flatten or ReLU, may outlive its run: the loop executors' worker threads keep the last
+    traced graph of the model's layers, which holds no tensor."""
+    import torch
+
+    return {**alive(*kinds), "parameters": sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())}

@@ -5,8 +5,10 @@ through `fedpilot run`, shrunk to tiny rounds.
 The properties (docs/testing.md): never a traceback, never a hang (each command runs under a time limit),
 exit 0 or 2; on 2 exactly one `error: ` line and nothing created (no MLflow run, dataset or stage cache entry,
 checkpoint or job row). A run may also end with 1, but only with a `stage '...' diverged` error (an extreme
-learning rate). The inputs come from a fixed seed (`derandomize`): a suite run tries the same inputs each time.
-The last test shows how many (a `FuzzReport` warning, in the warnings summary of `make test`).
+learning rate). A third part fuzzes `fedpilot compare`: random `tune:` blocks, storages and where the work goes
+(`--to` with Slurm options as flags and in FEDPILOT_SLURM): sent (exit 0, a job queued, nothing trained here) or
+refused (exit 2, nothing created). The inputs come from a fixed seed (`derandomize`): a suite run tries the same
+inputs each time. The last test shows how many (a `FuzzReport` warning, in the warnings summary of `make test`).
 """
 
 from __future__ import annotations
@@ -510,6 +512,99 @@ def test_a_sample_that_validates_runs_tiny_without_a_traceback(shared, new_mlflo
     FINISHED.add("run part")
 
 
+# ---- comparisons: tune blocks, storages, where the work goes (issue 51) -------------------------------------
+
+COMPARE_EXAMPLES = 25
+COMPARE_SECONDS = 120
+CLOSED = "postgresql://u:pw@127.0.0.1:1/none"  # a database server that is not there
+STORAGES = ["sqlite:///@HERE@/studies.db", CLOSED, "postgresql+psycopg://u:pw@127.0.0.1:1/none",
+            "mysql://u:pw@localhost/x", "redis://localhost", "sqlite:////proc/fedpilot/s.db", "nosuchdb://x", ""]
+TRACKING = ["postgresql+psycopg://u:pw@127.0.0.1:1/none", "bogus://x", "sqlite:////proc/fedpilot/m.db",
+            "http://127.0.0.1:1"]  # each refused: a store elsewhere would keep what the example makes
+SLURM_SETTINGS = ["gpus=many", "gpus=1", "gpus=0 cpus=1", "partition=gpu gpus=1 time=4:00:00", "time=forever",
+                  "gpu=1", "mem=lots", "cpus=-1", "=", "gpus"]
+OBJECTIVES = ["val_acc_mean", "val_acc_p10", "test_acc_mean", "novel_val_acc_mean", "val_mse_mean", "shared_bytes",
+              "nope"]
+WHERE = ["queue", "queue", "queue", "slurm", "slurm", "cloud", ""]  # a comparison never trains here: it is sent
+SLURM_FLAGS = ["--gpus", "--cpus", "--mem", "--time", "--partition", "--account", "--qos"]
+
+
+@cache
+def tune_values() -> dict[str, st.SearchStrategy[Any]]:
+    """Each key of a `tune:` block: values like its own, and anything (an unknown key among them)."""
+    return {"trials": st.one_of(st.integers(1, 3), ints(), texts()), "objective": st.one_of(
+        st.sampled_from(OBJECTIVES), texts()), "seeds": st.one_of(st.lists(ints(), max_size=3), ints(), texts()),
+            "sampler": st.one_of(st.fixed_dictionaries({"kind": st.sampled_from(["random", "tpe", "grid"])},
+                                                       optional={"seed": ints()}), values()),
+            "pruner": st.one_of(st.fixed_dictionaries({"kind": st.sampled_from(["none", "median", "fast"])}),
+                                values()),
+            "tune_budget": st.one_of(st.booleans(), scalars()), "untuned": st.one_of(st.booleans(), scalars()),
+            "trails": values()}
+
+
+@st.composite
+def comparison(draw: st.DrawFn) -> dict[str, Any]:
+    """A set of two small pipelines with a random `tune:` block (a mapping of known and unknown keys, a scalar, a
+    list, none) and seeds, and a random command line and environment: where the work goes (always elsewhere, so a
+    comparison that passes is queued, never trained here), `--tune`, `--untuned`, `--seeds`, a storage (closed,
+    unknown, unwritable), Slurm options as flags and in FEDPILOT_SLURM, the platform database and the tracking store
+    in the environment."""
+    tune = draw(st.one_of(st.none(), st.fixed_dictionaries({}, optional=tune_values()), scalars(),
+                          st.lists(scalars(), max_size=2)))
+    seeds = draw(st.one_of(st.just(1), st.sampled_from([[0], [1, 2], [2**32 - 1]]), ints(), texts()))
+    written = {"name": "fz", "seeds": seeds, "pipelines": ["a.yaml", "b.yaml"],
+               **({} if tune is None and draw(st.booleans()) else {"tune": tune})}
+    args = ["--to", draw(st.sampled_from(WHERE))]
+    options = {"--tune": st.one_of(st.integers(1, 3), ints(), texts()), "--seeds": st.one_of(st.integers(1, 2),
+                                                                                             ints(), texts()),
+               "--storage": st.one_of(st.sampled_from(STORAGES), texts()), "--parallel": st.one_of(
+                   st.integers(1, 3), ints()), "--heartbeat-seconds": st.one_of(st.integers(1, 60), ints()),
+               draw(st.sampled_from(SLURM_FLAGS)): st.one_of(st.sampled_from(["1", "0", "gpu", "4:00:00", "16G"]),
+                                                               ints(), texts())}
+    for option, values_of in options.items():
+        if draw(st.sampled_from([False, False, True])):
+            args += [option, str(draw(values_of))]
+    args += ["--untuned"] if draw(st.sampled_from([False, False, True])) else []
+    environment = {name: draw(strategy) for name, strategy in (
+        ("FEDPILOT_SLURM", st.one_of(st.sampled_from(SLURM_SETTINGS), texts())),
+        ("FEDPILOT_DB", st.sampled_from(STORAGES)), ("MLFLOW_TRACKING_URI", st.sampled_from(TRACKING)))
+        if draw(st.sampled_from([False, False, False, True]))}
+    return {"set": written, "args": args, "environment": environment}
+
+
+def test_a_comparison_is_sent_or_refused_and_a_refusal_creates_nothing(shared, new_mlflow_store):
+    """`fedpilot compare SET --to ...`: sent (exit 0: a job queued, nothing trained) or refused (exit 2: one error
+    line, no run, job, study or stage, no dataset entry); never a traceback, a hang or another exit code."""
+    pipeline = {**pipeline_tree("quickstart"), "tracking": {"system_metrics": False, "plots": False}}
+    pipeline.pop("search")
+    other = {**pipeline, "name": "b", "stages": [pipeline["stages"][0], {**pipeline["stages"][1],
+                                                                          "algorithm": "fedavg", "params": {}}]}
+
+    @settings(FUZZ, max_examples=COMPARE_EXAMPLES)
+    @given(example=comparison())
+    def compare_one(example: dict[str, Any]) -> None:
+        TRIED["compare part: inputs"] += 1
+        with place(shared, new_mlflow_store) as folder, pytest.MonkeyPatch.context() as patch:
+            for name, text in (("a.yaml", {**pipeline, "name": "a"}), ("b.yaml", other), ("set.yaml", example["set"])):
+                (folder / name).write_text(yaml.safe_dump(text, sort_keys=False, allow_unicode=True))
+            for name, value in example["environment"].items():
+                patch.setenv(name, value.replace("@HERE@", str(folder)))
+            patch.setenv("SLURM_CONF", str(folder / "no-slurm.conf"))  # Slurm's controller: not reachable here
+            args = [a.replace("@HERE@", str(folder)) for a in example["args"]]
+            note(f"{example['environment']} fedpilot compare set.yaml {shlex.join(args)}\n{example['set']}")
+            datasets = built(folder)
+            code, output = command("compare", COMPARE_SECONDS, str(folder / "set.yaml"), *args)
+            check_clean(output)
+            assert code in (0, 2), output
+            stages = [p for p in (folder / "cache" / "stages").rglob("*") if p.is_file()]
+            assert not stages, output  # sent elsewhere: nothing trained here
+            if code == 2:
+                assert len(error_lines(output)) == 1 and created(folder) == [] and built(folder) == datasets, output
+
+    compare_one()
+    FINISHED.add("compare part")
+
+
 def tally(name: str) -> str:
     """`fedpilot NAME: N (exit 0: a, exit 2: b; c warned)`, from TRIED."""
     prefix = f"fedpilot {name} exit "
@@ -525,11 +620,15 @@ def test_fuzz_counts():
     if not TRIED:
         pytest.skip("the fuzz tests did not run in this process")
     report = "; ".join([f"validate part {TRIED['validate part: inputs']} inputs",
-                        f"run part {TRIED['run part: inputs']} inputs", tally("validate"), tally("run")])
-    stopped = sorted({"validate part", "run part"} - FINISHED)
+                        f"run part {TRIED['run part: inputs']} inputs",
+                        f"compare part {TRIED['compare part: inputs']} inputs", tally("validate"), tally("run"),
+                        tally("compare")])
+    stopped = sorted({"validate part", "run part", "compare part"} - FINISHED)
     warnings.warn(FuzzReport(f"fuzz: {report}" + (f" ({' and '.join(stopped)} stopped by a finding)"
                                                    if stopped else "")), stacklevel=1)
     if "validate part" in FINISHED:
         assert TRIED["validate part: inputs"] >= VALIDATE_EXAMPLES, report
     if "run part" in FINISHED:
         assert TRIED["fedpilot run"] >= RUN_EXAMPLES, report
+    if "compare part" in FINISHED:
+        assert TRIED["fedpilot compare"] >= COMPARE_EXAMPLES, report

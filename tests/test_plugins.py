@@ -21,6 +21,7 @@ from textwrap import dedent
 import pytest
 import torch
 import yaml
+from mlflow import MlflowClient
 
 from fedpilot.db import connect
 from fedpilot.jobs.queue import show_job
@@ -43,6 +44,7 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
         twostep = "lab_fl.algorithm:TwoStep"
         plain = "lab_fl.algorithm:Plain"
         tempered = "lab_fl.tempered:Tempered"
+        boom = "lab_fl.boom:Boom"
 
         [project.entry-points."fedpilot.models"]
         wide = "lab_fl.model:Wide"
@@ -122,6 +124,18 @@ PLUGIN = {  # the distribution lab-fl 0.3.0: an algorithm written only against f
                 trained = cohort.sgd("all")
                 cohort.personal = trained.personal
                 return Upload(shared=trained.shared)
+        ''',
+    "lab_fl/boom.py": '''
+        """An algorithm with a bug: its local update divides by zero."""
+
+        from fedpilot.api import Algorithm, Cohort, Upload
+
+
+        class Boom(Algorithm):
+            name = "boom"
+
+            def local_update(self, cohort: Cohort) -> Upload:
+                return Upload(shared=cohort.sgd("shared", lr=1 / 0).shared)
         ''',
     "lab_fl/model.py": '''
         import math
@@ -372,6 +386,38 @@ def test_run_and_search_use_the_plugin_and_its_code_is_in_the_stage_key(lab, wor
     code, output = cli("search", pipeline, "--trials", "2", "--storage", f"sqlite:///{workdir}/studies.db")
     assert code == 0, output
     assert "study lab: 2 finished trials" in output and "'stages.1.params.lr_v'" in output, output
+
+
+def test_a_plugins_failure_is_one_line_naming_it_with_its_traceback_in_the_runs_artifacts(lab, workdir):
+    """A plugin's `local_update` that raises: `fedpilot run` ends with one line naming the plugin, the stage, the
+    round, the error and its place, and where the whole traceback was recorded (the stage run's error.txt); its runs
+    FAILED (and resumable: a fixed plugin may go on), exit code 1; --debug shows the traceback."""
+    crashing = {**{k: v for k, v in PIPELINE.items() if k != "search"},
+                "stages": [PIPELINE["stages"][0], {"name": "buggy", "algorithm": "boom", "rounds": 2,
+                                                   "clients_per_round": 4}]}
+    path = str(write_pipeline(workdir, crashing))
+    code, output = cli("run", path, "--no-progress")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
+    assert ("error: stage 'buggy' (plugin `boom = lab_fl.boom:Boom` (group fedpilot.algorithms) of distribution lab-fl "
+            "0.3.0) failed in round 1: ZeroDivisionError: division by zero, at lab_fl.boom:10 in local_update() "
+            "(traceback: ") in errors[0], output
+    log = Path(errors[0].rsplit("(traceback: ", 1)[1].rstrip(")"))
+    assert log.name == "error.txt" and "Traceback" in log.read_text() and "1 / 0" in log.read_text()
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("lab").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FAILED", "FINISHED"]  # the parent, buggy; pretrain
+    assert all(r.data.tags.get("fedpilot.resumable") != "false" for r in runs)
+    code, output = cli("--debug", "run", path, "--no-progress")
+    assert code == 1 and "Traceback (most recent call last)" in output and "ZeroDivisionError" in output, output
+    assert len([line for line in output.splitlines() if line.startswith("error: ")]) == 1
+    searched = {**crashing, "search": {**PIPELINE["search"], "space": {"stages.0.local.lr": {
+        "type": "float", "low": 0.01, "high": 0.1, "log": True}}}}  # a trial crashes: the search stops, named
+    code, output = cli("search", str(write_pipeline(workdir, searched)), "--trials", "1", "--storage",
+                       f"sqlite:///{workdir}/studies.db")
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
+    assert "error: stage 'buggy' (plugin `boom" in errors[0] and "(traceback: " in errors[0], output
 
 
 def test_space_auto_searches_what_the_plugin_declares_and_refuses_a_plugin_declaring_nothing(lab, workdir):

@@ -128,6 +128,40 @@ class NothingToTrain(StageFailed):
     stage's split; `fedpilot validate` refuses such a stage when the algorithm declares what it needs."""
 
 
+class StageCrashed(StageFailed):
+    """Code that raised while a stage was built or trained: a plugin's (an algorithm's `local_update`, a model's
+    forward) or fedpilot's own (an internal failure). Named in one line: the stage, where its algorithm comes from,
+    the round (None: outside the rounds), the exception's type and message and where it was raised (`at`);
+    `traceback_at` is where its whole traceback was recorded (the stage run's error.txt), once it was. Unlike a
+    stage that diverged, a crashed run can be resumed (once the code is fixed)."""
+
+    def __init__(self, stage: str, origin: str, round_idx: int | None, error: BaseException, at: str | None):
+        self.stage, self.origin, self.round, self.error, self.at = stage, origin, round_idx, error, at
+        self.traceback_at: str | None = None
+        when = f" in round {round_idx}" if round_idx is not None else ""
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        super().__init__(f"stage {stage!r} ({origin}) failed{when}: {type(error).__name__}"
+                         + (f": {message}" if message else "") + (f", at {at}" if at else ""))
+
+
+# Where a traceback's frames are not the user's or fedpilot's code: the libraries fedpilot calls (and Python's own)
+LIBRARIES = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "numpy", "optuna", "mlflow"}
+
+
+def raised_at(error: BaseException) -> str | None:
+    """Where `error` was raised, as `module:line in function()`: its traceback's innermost frame outside Python's
+    standard library and the LIBRARIES (a plugin's line, or fedpilot's own); None when every frame is theirs."""
+    import sys
+    import traceback
+
+    skipped, found = LIBRARIES | set(sys.stdlib_module_names), None
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        name = frame.f_globals.get("__name__", "")
+        if name.split(".")[0] not in skipped:
+            found = f"{name}:{line} in {frame.f_code.co_name}()"
+    return found
+
+
 class Diverged(StageFailed):
     """A stage's training loss or aggregated update stopped being finite: resuming would diverge again."""
 

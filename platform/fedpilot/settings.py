@@ -3,7 +3,8 @@ makes of each place it reads or writes before it does any work (cheap to import:
 check a database URL other than an SQLite file's).
 
 Every variable fedpilot reads is here: MLFLOW_TRACKING_URI (with MLflow's MLFLOW_TRACKING_USERNAME and
-MLFLOW_TRACKING_PASSWORD for a tracking server), FEDPILOT_CACHE, FEDPILOT_DB and FEDPILOT_CONFIGS; FEDPILOT_SLURM is
+MLFLOW_TRACKING_PASSWORD for a tracking server), FEDPILOT_CACHE, FEDPILOT_DB, FEDPILOT_CONFIGS and FEDPILOT_DEBUG (the
+CLI's `--debug`); FEDPILOT_SLURM is
 read and checked with the Slurm options it holds (jobs.slurm.options). An empty variable counts as unset."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from fedpilot.errors import SetupError
+from fedpilot.errors import SetupError, StoreUnavailable
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_DB = "sqlite:///fedpilot.db"
@@ -32,6 +33,7 @@ TRACKING_SCHEMES = ("", "file", *DATABASES, "http", "https", "databricks")
 TRACKING_PLUGINS = "mlflow.tracking_store"
 CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")  # MLflow's basic auth with a tracking server
 SERVER_TIMEOUT_S = 10  # for a tracking server's first answer
+DATABASE_TIMEOUT_S = 5  # for a database server's answer to a connection
 
 
 def variable(name: str) -> str | None:
@@ -48,7 +50,7 @@ def check_tracking(configured: str | None = None, reach: bool = False) -> str:
     """The tracking URI (tracking_uri), checked as MLflow will open it, without importing MLflow: a scheme of its
     tracking store registry; a store folder or SQLite file fedpilot can write; a database whose driver is installed;
     a server URL with a host, MLflow's basic-auth credentials both set or neither, and with `reach` (a command that
-    records now, not `validate`) a server that answers."""
+    records now, not `validate`) a server or database that answers."""
     uri = tracking_uri(configured)
     key = tracking_key(uri)
     scheme = tracking_scheme(key, uri)
@@ -56,6 +58,8 @@ def check_tracking(configured: str | None = None, reach: bool = False) -> str:
         check_folder(key, uri, Path(unquote(urlparse(uri).path) if scheme else uri))
     elif scheme in DATABASES:
         check_database(key, uri)
+        if reach:
+            reach_database(key, uri)
     elif scheme in ("http", "https"):
         _check_server(key, uri)
         if reach:
@@ -126,14 +130,15 @@ def _reach_server(key: str, uri: str) -> None:
 
 def platform_db(cli_value: str | None, option: str = "--db") -> tuple[str, str]:
     """(the URL, what gave it: `option` or FEDPILOT_DB) of the platform database: `option`'s value (`--db`,
-    `--storage`), else $FEDPILOT_DB, else sqlite:///fedpilot.db; checked (check_database). PostgreSQL URLs go
-    through psycopg 3."""
+    `--storage`), else $FEDPILOT_DB, else sqlite:///fedpilot.db; checked (check_database) and a database server
+    reached (reach_database), before a command creates anything. PostgreSQL URLs go through psycopg 3."""
     key = option if cli_value else "FEDPILOT_DB"
-    url = cli_value or variable("FEDPILOT_DB") or DEFAULT_DB
+    url = written = cli_value or variable("FEDPILOT_DB") or DEFAULT_DB
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
             url = "postgresql+psycopg://" + url[len(prefix):]
     check_database(key, url)
+    reach_database(key, url, written)
     return url, key
 
 
@@ -156,6 +161,29 @@ def check_database(key: str, url: str) -> None:
         dialect.import_dbapi()
     except ImportError as err:
         raise SetupError(key, hidden(url), f"its driver is not installed ({err.name})") from None
+
+
+def reach_database(key: str, url: str, written: str | None = None) -> None:
+    """A database server (not an SQLite file: check_database checked it) takes a connection within
+    DATABASE_TIMEOUT_S, with these credentials, to this database: a command finds out before it creates anything,
+    not once its first run or study exists. Errors show the URL as the user `written` it, without its password."""
+    if url.startswith("sqlite"):
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    timeout = {"connect_timeout": DATABASE_TIMEOUT_S} if url.startswith(("postgresql", "mysql")) else {}
+    engine = create_engine(url, poolclass=NullPool, connect_args=timeout)
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as err:
+        cause = str(getattr(err, "orig", None) or err).strip()
+        problem = cause.splitlines()[0] if cause else type(err).__name__
+        raise StoreUnavailable(key, hidden(written or url), f"cannot connect to the database: {problem}") from None
+    finally:
+        engine.dispose()
 
 
 def sqlite_file(url: str) -> Path | None:

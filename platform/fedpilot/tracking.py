@@ -26,7 +26,7 @@ import numpy as np
 import optuna
 import sqlalchemy
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, Run
 from mlflow.exceptions import MlflowException
 from mlflow.utils.file_utils import local_file_uri_to_path
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -36,11 +36,29 @@ from fedpilot.errors import NoSuchRun, StoreUnavailable
 from fedpilot.metric_names import NOVEL
 from fedpilot.settings import UI_PORT, hidden, sqlite_file, store_exists, tracking_key
 
+# Every tag fedpilot sets on a run, by name: the other modules write and read them through these.
 PIPELINE_TAG, STAGE_TAG, CACHE_TAG = "fedpilot.pipeline", "fedpilot.stage", "fedpilot.cache"
+STAGE_INDEX_TAG, ALGORITHM_TAG = "fedpilot.stage_index", "fedpilot.algorithm"  # a stage run's place and method
+CACHE_KEY_TAG = "fedpilot.cache_key"  # a stage run: its stage cache key
+EXECUTOR_TAG = "fedpilot.executor"  # a stage run: the executor it ran (chosen on its first round under `auto`)
+EXECUTION_TAG = "fedpilot.execution"  # a stage run: its executor, clients per call and per chunk (JSON): a rerun's pin
+CHECKPOINTS_TAG = "fedpilot.checkpoints"  # a pipeline run: the folder of its checkpoints while it trains
+FINGERPRINT_TAG = "fedpilot.dataset_fingerprint"  # a pipeline run: its federated data's fingerprint
+SEED_TAG = "fedpilot.seed"  # a trial's or a comparison's pipeline run: the seed it trained on
+NOISE_SEED_TAG = "fedpilot.noise_seed"  # a trial's pipeline run on trial 0's noise seed (the pruner's margin only)
+TRIAL_TAG, STUDY_TAG = "fedpilot.trial", "fedpilot.study"  # a trial's pipeline run: its number and study
+SEARCH_TAG = "fedpilot.search"  # a search's run: its study
 COMPARE_TAG = "fedpilot.compare"  # a comparison's run (without fedpilot.pipeline) and each of its pipeline runs
+COMPARE_RUN_TAG = "fedpilot.compare_run"  # a comparison's pipeline run: the comparison's run id
+VARIANT_TAG = "fedpilot.compare_variant"  # a comparison's pipeline run: tuned | written
+KEY_TAG = "fedpilot.compare_key"  # a comparison's run: the hash of its plan (a rerun continues the run)
+BASELINE_TAG = "fedpilot.baseline"  # a comparison's run: its baseline pipeline
 CACHE_SOURCE_TAG = "fedpilot.cache_source"  # a stage reused from the cache: the run that trained it
 ERROR_TAG = "fedpilot.error"  # a FAILED or KILLED run: the error's type and message
 RESUMABLE_TAG = "fedpilot.resumable"  # "false" on a run that failed for good (a stage diverged): --resume refuses it
+ERROR_ARTIFACT = "error.txt"  # a FAILED or KILLED run: the error's whole traceback
+# A comparison's run: its plan (what --resume continues), and once finished its record and its table
+PLAN_ARTIFACT, RECORD_ARTIFACT, TABLE_ARTIFACT = "comparison_plan.json", "comparison.json", "comparison.txt"
 SPEC_ARTIFACT, CLIENTS_TABLE, DATASET_ARTIFACT = "pipeline.json", "clients.json", "dataset.json"
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's model-training experiments
 NOTE_TAG = "mlflow.note.content"  # a run's Description (markdown) on its Overview page
@@ -146,8 +164,8 @@ class Tracker:
         """The parent run, named `name` (default: the pipeline's): the resolved spec as artifact, what of it applies
         (`applies`, default all of it) as params, the dataset summary and fingerprint."""
         run = self.client.create_run(self.experiment_id, run_name=(name or spec["name"])[:MAX_RUN_NAME], tags={
-            PIPELINE_TAG: spec["name"], "fedpilot.checkpoints": checkpoints,
-            "fedpilot.dataset_fingerprint": dataset["fingerprint"], **(tags or {})})
+            PIPELINE_TAG: spec["name"], CHECKPOINTS_TAG: checkpoints, FINGERPRINT_TAG: dataset["fingerprint"],
+            **(tags or {})})
         run_id = run.info.run_id
         self.log_params(run_id, set_params(applies or spec))
         self.client.log_dict(run_id, spec, SPEC_ARTIFACT)
@@ -158,15 +176,13 @@ class Tracker:
         """A stage's run nested under `parent`, named `<stage> · <parent's name>` (legends and tables tell which)."""
         label = self.client.get_run(parent).info.run_name
         run = self.client.create_run(self.experiment_id, run_name=f"{name} · {label}"[:MAX_RUN_NAME], tags={
-            MLFLOW_PARENT_RUN_ID: parent, STAGE_TAG: name, "fedpilot.stage_index": str(index),
-            "fedpilot.algorithm": algorithm, **tags})
+            MLFLOW_PARENT_RUN_ID: parent, STAGE_TAG: name, STAGE_INDEX_TAG: str(index), ALGORITHM_TAG: algorithm,
+            **tags})
         return run.info.run_id
 
-    def stage_runs(self, parent: str) -> dict[int, Any]:
+    def stage_runs(self, parent: str) -> dict[int, Run]:
         """The stage runs of a pipeline run by stage index (the newest per index)."""
-        runs = self.client.search_runs([self.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{parent}'",
-                                       order_by=["attributes.start_time ASC"])
-        return {int(r.data.tags["fedpilot.stage_index"]): r for r in runs if "fedpilot.stage_index" in r.data.tags}
+        return stage_runs(self.client, self.experiment_id, parent)
 
     def resume(self, run_id: str) -> None:
         """Continue a run that a process stopped or lost: status RUNNING again, and every (metric, step) it already
@@ -206,9 +222,15 @@ class Tracker:
         """Mark runs FAILED with the traceback as `error.txt`; what they logged before stays."""
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         for run_id in run_ids:
-            self.client.log_text(run_id, text, "error.txt")
+            self.client.log_text(run_id, text, ERROR_ARTIFACT)
             self.client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:5000])
             self.client.set_terminated(run_id, "KILLED" if isinstance(error, STOPPED) else "FAILED")
+
+    def artifact_location(self, run_id: str, path: str) -> str:
+        """Where to read a run's artifact: its file when the run's artifacts are a local folder, else its page in
+        the MLflow UI."""
+        local = local_artifact(self.uri, run_id, path)
+        return str(local) if local is not None else ui_url(self.uri, self.experiment_id, run_id, path)
 
     @contextmanager
     def system_metrics(self, run_id: str, enabled: bool) -> Iterator[None]:
@@ -292,6 +314,43 @@ def table_order(columns: list[str]) -> list[str]:
     return sorted(columns, key=rank)
 
 
+def stage_runs(client: MlflowClient, experiment_id: str, parent: str) -> dict[int, Run]:
+    """The stage runs of the pipeline run `parent` by stage index: the newest per index (a stage trained again after
+    a stop has an older, KILLED run)."""
+    runs = client.search_runs([experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{parent}'",
+                              order_by=["attributes.start_time ASC"])
+    return {int(r.data.tags[STAGE_INDEX_TAG]): r for r in runs if STAGE_INDEX_TAG in r.data.tags}
+
+
+def recorded_executions(client: MlflowClient, experiment_id: str, parent: str) -> dict[int, dict[str, Any]]:
+    """How each stage of the pipeline run `parent` ran, by stage index, as far as it got (a stage records it after
+    its first round): its executor, and the clients it took per call and per chunk (EXECUTION_TAG)."""
+    return {i: json.loads(run.data.tags[EXECUTION_TAG]) for i, run in stage_runs(client, experiment_id, parent).items()
+            if EXECUTION_TAG in run.data.tags}
+
+
+def read_artifact(client: MlflowClient, run_id: str, path: str) -> str | None:
+    """The text of a run's artifact `path` (a comparison's plan, its table, a stage's per-client table), None when
+    the run has none."""
+    folder = path.rpartition("/")[0] or None
+    if path not in {a.path for a in client.list_artifacts(run_id, folder)}:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(client.download_artifacts(run_id, path, tmp)).read_text()
+
+
+def read_json(client: MlflowClient, run_id: str, path: str) -> Any:
+    """A run's JSON artifact `path`, None when the run has none."""
+    text = read_artifact(client, run_id, path)
+    return None if text is None else json.loads(text)
+
+
+def comparison_outcome(client: MlflowClient, run_id: str) -> tuple[dict[str, Any], str] | None:
+    """A finished comparison's record (its comparison.json) and table (comparison.txt); None before it finished."""
+    record = read_json(client, run_id, RECORD_ARTIFACT)
+    return None if record is None else (record, read_artifact(client, run_id, TABLE_ARTIFACT) or "")
+
+
 def ui_url(uri: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
     """The MLflow UI page of a run (or of one of its artifacts) in the model-training view: MLflow 3.17's UI takes
     the view from the page's `workflowType`, not from the experiment's kind."""
@@ -317,10 +376,9 @@ def load_resumed_spec(run_id: str, uri: str) -> dict[str, Any]:
         run = client.get_run(run_id)
     except Exception as err:  # mlflow raises MlflowException for an unknown id
         raise NoSuchRun("--resume", run_id, f"no such run in {uri} ({type(err).__name__})") from None
-    if "fedpilot.pipeline" not in run.data.tags:
-        raise NoSuchRun("--resume", run_id, "not a fedpilot pipeline run (its parent run has tag fedpilot.pipeline)")
+    if PIPELINE_TAG not in run.data.tags:
+        raise NoSuchRun("--resume", run_id, f"not a fedpilot pipeline run (its parent run has tag {PIPELINE_TAG})")
     if run.data.tags.get(RESUMABLE_TAG) == "false":
         raise NoSuchRun("--resume", run_id, "this run cannot be resumed, it would fail the same way again: "
-                        f"{run.data.tags.get(ERROR_TAG, 'see its error.txt')}")
-    with tempfile.TemporaryDirectory() as tmp:
-        return json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())
+                        f"{run.data.tags.get(ERROR_TAG, f'see its {ERROR_ARTIFACT}')}")
+    return read_json(client, run_id, SPEC_ARTIFACT)

@@ -15,6 +15,7 @@ and spends `edge_trials` further trials beyond it (studies/edges.py).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -44,9 +45,54 @@ from fedpilot.stats.keys import key_labels
 from fedpilot.studies.edges import EDGES, edge_of, extensible, flags, grown, with_grown
 from fedpilot.studies.points import BEYOND_EDGE, ORIGIN, SOBOL, TPE, WRITTEN, sobol_points, startup_count
 from fedpilot.studies.pruner import CURVES, MarginPruner, curve_attr, seed_margin
-from fedpilot.tracking import Tracker, close_orphans, schema_init_lock
+from fedpilot.tracking import (
+    NOISE_SEED_TAG,
+    PIPELINE_TAG,
+    SEARCH_TAG,
+    SEED_TAG,
+    STOPPED,
+    STUDY_TAG,
+    TRIAL_TAG,
+    Tracker,
+    close_orphans,
+    schema_init_lock,
+)
 
 STARTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+MAX_RETRIES = 3  # a trial whose process died or was stopped runs again with its parameters at most this often
+
+
+def study_storage(url: str, heartbeat_seconds: int) -> RDBStorage:
+    """The Optuna storage of `url` (under schema_init_lock), whose trials beat every `heartbeat_seconds`: a trial
+    silent for 3 beats is stale, and failed and retried with its parameters (a WAITING copy) by whoever opens its
+    study next (fail_stale)."""
+    return RDBStorage(url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
+                      engine_kwargs=engine_options(url),
+                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES))
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail the study's stale trials (their process died, or stopped without saying so) and retry them: what every
+    opener of a study does first (a search, a worker's or a scheduled one, a comparison), so that no trial no process
+    runs any more holds the study up."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        fail_stale_trials(study)
+
+
+def fail_interrupted(study: optuna.Study, trial_id: int, caught: bool) -> None:
+    """A trial this process stopped: failed here (SIGINT, SIGTERM: a SystemExit, which Optuna does not catch, leaves
+    it RUNNING) or by Optuna (`caught`: a second Ctrl+C, a KeyboardInterrupt), then retried with its parameters at
+    once, as a stale one is: the next process to open the study runs it again without waiting for it to go stale."""
+    storage = study._storage
+    try:
+        failed = storage.get_trial(trial_id).state == TrialState.RUNNING and storage.set_trial_state_values(
+            trial_id, state=TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:  # another process found it stale first, and retried it
+        failed = False
+    trial = storage.get_trial(trial_id)
+    if failed or (caught and trial.state == TrialState.FAIL):
+        RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)(study, copy.deepcopy(trial))
 
 
 def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
@@ -229,13 +275,12 @@ class Search:
         check_database("--storage", storage_url)
         directions = [o.direction for o in self.search.objective]
         with schema_init_lock(storage_url):
-            storage = RDBStorage(storage_url, heartbeat_interval=heartbeat_seconds, grace_period=3 * heartbeat_seconds,
-                                 engine_kwargs=engine_options(storage_url),
-                                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
-            self.study = optuna.create_study(storage=storage, study_name=self.study_name, sampler=self._sampler(0),
+            self.study = optuna.create_study(storage=study_storage(storage_url, heartbeat_seconds),
+                                             study_name=self.study_name, sampler=self._sampler(0),
                                              pruner=make_pruner(spec, self.trials), directions=directions,
                                              load_if_exists=True)
             self.lease = NamedLease(storage_url, self.study_name)
+        fail_stale(self.study)  # opened: a trial no process runs any more is failed and retried at once
         if [d.name.lower() for d in self.study.directions] != directions:
             raise SearchError("search.objective", directions, f"study {self.study_name!r} exists with directions "
                             f"{[d.name.lower() for d in self.study.directions]}; use another --study name")
@@ -246,6 +291,7 @@ class Search:
         self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
         self.rounds_trained = 0
         self._closed: set[str] = set()  # runs of dead trials already marked KILLED
+        self._running: int | None = None  # the id of the trial this process runs
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -255,6 +301,8 @@ class Search:
         try:
             result = self._trials()
         except BaseException as err:
+            if isinstance(err, STOPPED) and self._running is not None:
+                fail_interrupted(self.study, self._running, caught=isinstance(err, KeyboardInterrupt))
             self.tracker.fail([self.run_id], err)
             raise
         self.tracker.finish(self.run_id)
@@ -264,7 +312,7 @@ class Search:
         deadline = time.monotonic() + self.search.timeout_s if self.search.timeout_s else math.inf
         while time.monotonic() < deadline:
             self.lease.acquire()
-            fail_stale_trials(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
+            fail_stale(self.study)  # a dead process's trial: FAIL, and a WAITING retry with its params
             self._close_dead_trials()
             if not self.study.get_trials(deepcopy=False):
                 self._start()  # under the lease: the study's first trials
@@ -283,6 +331,7 @@ class Search:
                 except optuna.exceptions.UpdateFinishedTrialError:
                     self.echo("a trial outlived its heartbeat grace period and was failed by another process; "
                               "it is retried")
+                self._running = None  # told; a stop raised out of optimize leaves it set (run: fail_interrupted)
                 self._log_best()
                 continue
             self.lease.release()
@@ -339,6 +388,7 @@ class Search:
 
     def _objective(self, trial: optuna.Trial) -> float | list[float]:
         self.lease.release()
+        self._running = trial._trial_id
         values = {key: suggest(trial, key, param) for key, param in self.space().items()}
         if ORIGIN not in trial.user_attrs:
             trial.set_user_attr(ORIGIN, TPE if self.search.sampler.kind == "tpe" else self.search.sampler.kind)
@@ -377,11 +427,9 @@ class Search:
             "" if first and not self.scope.seeds else f" seed {seed}") + (" (noise)" if noise else "")
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
         try:
-            result = runner.run(parent=self.run_id, tags={"fedpilot.trial": str(trial.number),
-                                                           "fedpilot.study": self.study_name,
-                                                           "fedpilot.seed": str(seed),
-                                                           **({"fedpilot.noise_seed": "true"} if noise else {})},
-                                started=started, name=name)
+            tags = {TRIAL_TAG: str(trial.number), STUDY_TAG: self.study_name, SEED_TAG: str(seed),
+                    **({NOISE_SEED_TAG: "true"} if noise else {})}
+            result = runner.run(parent=self.run_id, tags=tags, started=started, name=name)
         finally:
             self.rounds_trained += runner.rounds_trained
             trial.set_user_attr("rounds", sum(e.rounds for e in seen.values()))
@@ -416,8 +464,7 @@ class Search:
         client = self.tracker.client
         nested = {MLFLOW_PARENT_RUN_ID: self.scope.parent} if self.scope.parent else {}
         run = client.create_run(self.tracker.experiment_id, run_name=f"search-{self.study_name}",
-                                tags={"fedpilot.search": self.study_name, "fedpilot.pipeline": self.spec.name,
-                                      **nested})
+                                tags={SEARCH_TAG: self.study_name, PIPELINE_TAG: self.spec.name, **nested})
         space = {f"space.{k}": json.dumps(v.model_dump(exclude_none=True)) for k, v in self.search.space.items()}
         objective = {f"objective.{i}": f"{o.direction} {o.metric} of stage {o.stage}"
                      for i, o in enumerate(self.search.objective)}
@@ -509,6 +556,7 @@ def _short(values: dict[str, Any]) -> str:
 
 
 def quiet_optuna() -> None:
-    """Our one line per trial replaces Optuna's log; its experimental-API warnings are not the user's concern."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    """Our one line per trial replaces Optuna's log (a failed trial's traceback too: the failure is one line, its
+    traceback in the run's error.txt); its experimental-API warnings are not the user's concern."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

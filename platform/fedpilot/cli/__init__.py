@@ -11,11 +11,12 @@ import logging
 import os
 import sys
 import threading
+from typing import Annotated
 
 import typer
 
 from fedpilot.cli import browse, jobs, pipeline
-from fedpilot.cli.common import DATA, JOBS, MARKUP, RUNS, SCAFFOLDING, STUDIES, Command, Group
+from fedpilot.cli.common import DATA, JOBS, MARKUP, RUNS, SCAFFOLDING, STUDIES, Command, OneLineErrors, debug
 from fedpilot.cli.data import data_app
 from fedpilot.cli.new import new_app
 from fedpilot.cli.pipeline import format_outcomes, where_to_look
@@ -29,7 +30,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=MARKUP,
-    cls=Group,
+    cls=OneLineErrors,
 )
 for panel, commands in ((RUNS, (pipeline.validate, pipeline.run, browse.report, browse.ui)),
                         (STUDIES, (pipeline.search, pipeline.compare, browse.dashboard)),
@@ -43,9 +44,13 @@ app.add_typer(new_app, name="new", rich_help_panel=SCAFFOLDING)
 
 
 @app.callback()
-def _notices() -> None:
+def _notices(
+    debugging: Annotated[bool, typer.Option("--debug", help="Show the whole traceback of a failure in a plugin's code "
+                                                           "or fedpilot's own (also FEDPILOT_DEBUG=1).")] = False,
+) -> None:
     """What the layers below tell the user at once (fedpilot's log at WARNING: a stop asked by a signal, a worker's
     lost job) goes to stderr as it is."""
+    debug(debugging)
     logger = logging.getLogger("fedpilot")
     if not any(getattr(h, "fedpilot_cli", False) for h in logger.handlers):
         handler = logging.StreamHandler()

@@ -4,16 +4,19 @@ and the outcome a command leaves in a job's result file."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from fedpilot.errors import DataUnavailable, StageFailed
+from fedpilot.errors import DataUnavailable, StageCrashed, StageFailed, raised_at
 from fedpilot.jobs.result_file import write_result
 
 T = TypeVar("T")
@@ -84,9 +87,91 @@ def exit_code(err: Exception) -> int:
 
 
 def fail(err: Exception, code: int | None = None) -> NoReturn:
-    """Print an error in one line and exit with `code` (default: the error's exit_code)."""
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    """Print an error in one line and exit with `code` (default: the error's exit_code); a stage that crashed says
+    where its whole traceback is, which --debug also shows."""
+    where = err.traceback_at if isinstance(err, StageCrashed) else None
+    if where is not None and debugging():
+        typer.echo("".join(traceback.format_exception(err)), err=True)
+    typer.secho(f"error: {err}" + (f" (traceback: {where})" if where else ""), fg=typer.colors.RED, err=True)
     raise typer.Exit(code=exit_code(err) if code is None else code)
+
+
+_DEBUG = {"asked": False}  # `fedpilot --debug`, for this command
+
+
+def debug(asked: bool) -> None:
+    """Set by `fedpilot --debug`: failures show their whole traceback."""
+    _DEBUG["asked"] = asked
+
+
+def debugging() -> bool:
+    """Whether failures show their traceback on screen: `fedpilot --debug`, or FEDPILOT_DEBUG set (not 0)."""
+    from fedpilot.settings import variable
+
+    return _DEBUG["asked"] or variable("FEDPILOT_DEBUG") not in (None, "0")
+
+
+class OneLineErrors(Group):
+    """The `fedpilot` group: a refusal of Typer's own (`--tune abc`, an unknown option, a missing argument) ends as
+    every other bad input does, with one `error:` line naming the value and exit code 2; an exception nothing below
+    the CLI expected (an internal failure) with one line, its traceback in a log file (on screen with --debug), and
+    exit code 1."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except typer.TyperException as err:  # Typer's parsing: help for no arguments, else a refusal
+            if type(err).__name__ == "NoArgsIsHelpError":
+                err.show()  # type: ignore[attr-defined]
+                sys.exit(0)
+            typer.secho(f"error: {usage_error(err)}", fg=typer.colors.RED, err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        except Exception as err:  # nothing below expected it
+            typer.secho(f"error: {internal_failure(err)}", fg=typer.colors.RED, err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def usage_error(err: typer.TyperException) -> str:
+    """A refusal of Typer's own in one line: `--tune='abc': input should be a valid integer` (the value from the
+    validation error behind it), else its message, with where the command's help is."""
+    param, cause = getattr(err, "param", None), err.__cause__
+    found = cause.errors() if hasattr(cause, "errors") else []
+    if isinstance(err, typer.BadParameter) and param is not None and found:
+        key = param.opts[0] if param.param_type_name == "option" else (param.metavar or param.name.upper())
+        problem = str(found[0]["msg"])
+        return f"{key}={found[0]['input']!r}: {problem[:1].lower()}{problem[1:]}"
+    message = " ".join(err.format_message().split())
+    ctx = getattr(err, "ctx", None)
+    return message + (f" (see {ctx.command_path} --help)" if ctx is not None else "")
+
+
+def internal_failure(err: Exception) -> str:
+    """An exception nothing below the CLI expected, in one line (its type, message and where it was raised), its
+    whole traceback written to a log file under the cache (logs/), and shown on screen with --debug."""
+    text = "".join(traceback.format_exception(err))
+    if debugging():
+        typer.echo(text, err=True)
+    message = " ".join(str(err).split())
+    at = raised_at(err)
+    line = f"internal failure: {type(err).__name__}" + (f": {message}" if message else "") + (f", at {at}" if at
+                                                                                              else "")
+    try:
+        from fedpilot.settings import cache_root
+
+        log = cache_root().absolute() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(text)
+    except OSError:  # no log where the cache cannot be written: the traceback on screen instead
+        typer.echo(text, err=True)
+        return line
+    return f"{line} (traceback: {log})"
 
 
 def slurm_flags(partition: str | None, gpus: int | None, cpus: int | None, mem: str | None, time: str | None,

@@ -228,8 +228,11 @@ def search(
         fail(err)
     write_result(result_file, run_id=runner.run_id)
     typer.echo(f"study {runner.study_name}: {runner.trials} trials, space {', '.join(spec.search.space)}")
-    with reporting(result_file):
-        result = runner.run()
+    try:
+        with reporting(result_file):
+            result = runner.run()
+    except StageFailed as err:  # a trial's stage crashed (a plugin's code, fedpilot's own): the search stops
+        fail(err)
     best = ", ".join(f"{v:.4f}" for v in result.best_values) or "none"
     typer.echo(f"\nstudy {result.study}: {result.finished} finished trials ({result.pruned} pruned); best "
                f"{'/'.join(o.metric for o in spec.search.objective)} = {best} with {result.best_params}; "
@@ -342,7 +345,7 @@ def _compare_here(plan: Any, root: Path, resume: str | None, storage_url: str, p
 
     quiet_lightning()
     quiet_optuna()
-    _, run_id = comparison_run(plan, resume)
+    _, run_id, _ = comparison_run(plan, resume)
     write_result(result_file, run_id=run_id)
     tuned = f", each tuned over {plan.comparison.tune.trials} trials" if plan.tuning else ""
     typer.echo(f"comparison {plan.comparison.name}: {len(plan.specs)} pipelines x seeds {plan.seeds}{tuned}; "
@@ -392,22 +395,29 @@ def _elsewhere(to: str | None, parallel: int) -> Any:
 
 def _send_comparison(plan: Any, resume: str | None, target: Any, parallel: int, storage: str | None,
                      flags: dict) -> None:
-    """The comparison's run (made here, or the one --resume names), then `parallel` jobs that do its work with each
-    other; their job ids printed. A backend that refuses the jobs leaves no run behind."""
+    """The comparison's run (made here, or the one --resume names or the same plan's unfinished one), then
+    `parallel` jobs that do its work with each other; their job ids printed. The jobs' options are checked before
+    any run is found or made; a backend that then refuses the jobs leaves no run behind (a run made here is
+    deleted, one found is left as it was)."""
     import json
 
     from fedpilot.cli.jobs import send
     from fedpilot.compare.run import comparison_run
+    from fedpilot.jobs.backend import SLURM, configured
+    from fedpilot.jobs.slurm import reach_slurm
 
     first = next(iter(plan.specs.values()))[plan.seeds[0]]
     spec = {"name": plan.comparison.name, "device": first.device, "tracking": {"uri": first.tracking.uri},
             **({"slurm": first.slurm.model_dump(exclude_none=True)} if first.slurm else {})}
-    tracker, run_id = comparison_run(plan, resume)
+    configured(target, spec, flags)  # --gpus with --to queue, $FEDPILOT_SLURM: refused before any run exists
+    if target.name == SLURM:
+        reach_slurm()
+    tracker, run_id, made = comparison_run(plan, resume)
     fields = {"kind": "compare", "pipeline": plan.comparison.name, "spec": json.dumps(spec), "run_id": run_id}
     try:
         ids = send(fields, target, flags, parallel, storage, "--storage")
     except UserError:
-        if resume is None:
+        if made:
             tracker.client.delete_run(run_id)
         raise
     typer.echo(f"comparison {plan.comparison.name}: run {run_id}, {len(ids)} job(s) on {target.name} share its work; "

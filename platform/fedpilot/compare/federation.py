@@ -16,9 +16,7 @@ from fedpilot.compare.plan import FEDERATION_SEED, Plan
 from fedpilot.data.federated import FederatedData, build_federated_data
 from fedpilot.errors import RunError, SpecError
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import PIPELINE_TAG
-
-DATASET_TAG, SEED_TAG, STUDY_TAG = "fedpilot.dataset_fingerprint", "fedpilot.seed", "fedpilot.study"
+from fedpilot.tracking import FINGERPRINT_TAG, PIPELINE_TAG, SEED_TAG, STUDY_TAG
 
 Built = dict[tuple[str, int], FederatedData]  # (pipeline, seed) -> its federation
 
@@ -91,12 +89,12 @@ def recorded_fingerprints(client: MlflowClient, experiment_id: str, plan: Plan,
     found: dict[str, dict[str, str]] = {}
     for run in runs:
         tags = run.data.tags
-        found.setdefault(tags[PIPELINE_TAG], {})[tags[SEED_TAG]] = tags[DATASET_TAG]
+        found.setdefault(tags[PIPELINE_TAG], {})[tags[SEED_TAG]] = tags[FINGERPRINT_TAG]
     for pipeline, spec in plan.tuning.items():
         for run in client.search_runs([experiment_id], f"tags.`{STUDY_TAG}` = '{spec.search.study}'",
                                       max_results=10_000):
-            if DATASET_TAG in run.data.tags:
-                found.setdefault(pipeline, {})[run.data.tags[SEED_TAG]] = run.data.tags[DATASET_TAG]
+            if FINGERPRINT_TAG in run.data.tags:
+                found.setdefault(pipeline, {})[run.data.tags[SEED_TAG]] = run.data.tags[FINGERPRINT_TAG]
     return {pipeline: dict(sorted(by_seed.items(), key=lambda kv: int(kv[0]))) for pipeline, by_seed in found.items()}
 
 

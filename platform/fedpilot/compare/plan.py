@@ -12,10 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedpilot.errors import SpecError, from_validation, within
 from fedpilot.metric_names import OBJECTIVE_METRICS, primary
@@ -102,6 +103,14 @@ class ComparisonSpec(Strict):
         if isinstance(seeds, list) and len(set(seeds)) < len(seeds):
             raise ValueError("a seed is listed twice")
         return seeds
+
+    @model_validator(mode="after")
+    def _default_tuning_seed_fits(self) -> ComparisonSpec:
+        if self.tune is not None and not self.tune.seeds and max(self.seed_list()) >= SEED_MAX:
+            raise SpecError("seeds", self.seeds, f"the studies tune on the seed after the largest by default, "
+                            f"{max(self.seed_list()) + 1}, past the largest seed ({SEED_MAX}): give tune.seeds, or "
+                            "smaller seeds")
+        return self
 
     def seed_list(self) -> list[int]:
         return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
@@ -190,11 +199,12 @@ def load_plan(path: Path, seeds: int | None = None, overrides: list[str] | None 
     if not path.is_file():
         raise SpecError("set", str(path), "no such file")
     raw = read_user_yaml(path)
+    block = _tune_block(raw)
     if tune is not None:
         within("--tune", tune, 1, SQL_INT_MAX)
-        raw = {**raw, "tune": {**((raw.get("tune") or {}) if isinstance(raw, dict) else {}), "trials": tune}}
+        raw = {**raw, "tune": {**(block or {}), "trials": tune}}
     if untuned:
-        if not isinstance(raw, dict) or not raw.get("tune"):
+        if not block and tune is None:
             raise SpecError("--untuned", True, "runs the pipelines as written beside their tuned configuration: "
                             "add --tune N (or a tune: block)")
         raw = {**raw, "tune": {**raw["tune"], "untuned": True}}
@@ -213,6 +223,15 @@ def load_plan(path: Path, seeds: int | None = None, overrides: list[str] | None 
     shared = shared_stages([by_seed[first] for by_seed in specs.values()])
     tuning = _tuning_specs(comparison, specs, shared) if comparison.tune else {}
     return Plan(comparison, specs, tuning, shared, fixed)
+
+
+def _tune_block(raw: Any) -> dict[str, Any] | None:
+    """The set file's `tune:` block (None without one); a scalar or a list in its place is a SpecError on `tune`."""
+    block = raw.get("tune") if isinstance(raw, dict) else None
+    if block is not None and not isinstance(block, dict):
+        raise SpecError("tune", block, "a mapping of the tuning settings (trials, objective, seeds, sampler, pruner, "
+                        "tune_budget, untuned), e.g. tune: {trials: 8}; or give --tune 8")
+    return block
 
 
 def _disjoint(comparison: ComparisonSpec) -> None:
@@ -263,28 +282,14 @@ def _pipeline_specs(path: Path, comparison: ComparisonSpec, overrides: list[str]
 
 def shared_stages(specs: list[PipelineSpec]) -> int:
     """How many leading stages every one of `specs` trains the same way (0 for a single pipeline): the comparison
-    trains them once per seed and never tunes them."""
+    trains them once per seed and never tunes them. The same stages are those with the same stage cache key
+    (pipeline.cache.stage_keys: the keys of the stages the runner trains)."""
+    from fedpilot.pipeline.cache import data_fingerprint, stage_keys
+
     if len(specs) < 2:
         return 0
-    count = 0
-    while all(count < len(s.stages) for s in specs) and len({_stage_identity(s, count) for s in specs}) == 1:
-        count += 1
-    return count
-
-
-def _stage_identity(spec: PipelineSpec, index: int) -> str:
-    """What stage `index` computes from (as the stage cache keys it, without the code): data, model, evaluation,
-    the stage's settings and its split."""
-    from fedpilot.algorithms import build_algorithm
-    from fedpilot.pipeline.cache import NOT_IN_KEY
-    from fedpilot.pipeline.checks import stage_split
-
-    stage = spec.stages[index]
-    part = build_algorithm(stage.algorithm, stage.params).personal_part
-    before = [s.model_dump(mode="json", exclude=NOT_IN_KEY) for s in spec.stages[:index + 1]]
-    return _digest({"dataset": spec.dataset.model_dump(mode="json"), "model": spec.model.model_dump(mode="json"),
-                    "evaluation": spec.evaluation.model_dump(mode="json"), "stages": before,
-                    "split": stage_split(spec, stage, part)})
+    keys = [stage_keys(spec, data_fingerprint(spec), spec.device) for spec in specs]
+    return sum(1 for _ in takewhile(lambda same: len(set(same)) == 1, zip(*keys, strict=False)))  # up to the shortest
 
 
 def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, PipelineSpec]],
@@ -310,8 +315,8 @@ def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipelin
         search |= {"objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": 1,
                    "edge_trials": tune.edge_trials, "sampler": tune.sampler.model_dump(),
                    "pruner": tune.pruner.model_dump()}
-        spec = _tuning_spec({**written.resolved(), "seed": seed, "search": search}, f"pipelines.{i} "
-                            f"({comparison.pipelines[i]})", "" if space is None else f"tune.space.{name}.")
+        spec = _tuning_spec({**written.resolved(), "seed": seed, "search": search}, comparison, i,
+                            "" if space is None else f"tune.space.{name}.")
         if space is not None:
             spec.search.space = _around_written(spec, tune.widen, f"tune.space.{name}")
         dimensions = len(spec.search.space)
@@ -321,15 +326,27 @@ def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipelin
     return tuning
 
 
-def _tuning_spec(raw: dict[str, Any], where: str, prefix: str) -> PipelineSpec:
-    """A pipeline's tuning spec, its errors named by where the set gives what failed (`prefix`: a written space's
-    keys are the set's `tune.space.<pipeline>.`, else the pipeline file's)."""
+def _tuning_spec(raw: dict[str, Any], comparison: ComparisonSpec, i: int, prefix: str) -> PipelineSpec:
+    """Pipeline i's tuning spec, its errors named by where the set gives what failed (`tuning_error`)."""
     try:
         return PipelineSpec.from_dict(raw)
     except SpecError as err:
-        key = err.key.replace("search.space.", prefix, 1) if prefix and err.key.startswith("search.space.") else \
-            f"{where}: {err.key}"
-        raise SpecError(key, err.value, err.problem, err.allowed) from None
+        raise tuning_error(comparison, i, err, prefix) from None
+
+
+def tuning_error(comparison: ComparisonSpec, i: int, err: SpecError, prefix: str = "") -> SpecError:
+    """An error of pipeline i's tuning spec on the key the user wrote: a written space's keys are the set's
+    `tune.space.<pipeline>.` (`prefix`), what the set's `tune:` block gives the study (its objective, tune_budget) is
+    that block's key, anything else the pipeline file's."""
+    where = f"pipelines.{i} ({comparison.pipelines[i]})"
+    if prefix and err.key.startswith("search.space."):
+        return SpecError(err.key.replace("search.space.", prefix, 1), err.value, err.problem, err.allowed)
+    if err.key.startswith("search.objective"):
+        return SpecError("tune.objective", err.value, f"{where}: {err.problem}", err.allowed)
+    if "search.tune_budget" in err.problem:
+        return SpecError("tune.tune_budget", comparison.tune.tune_budget, f"{where}: " + err.problem.replace(
+            "set search.tune_budget: true, or write the space", "set tune.tune_budget: true in the set"))
+    return SpecError(f"{where}: {err.key}", err.value, err.problem, err.allowed)
 
 
 def _around_written(spec: PipelineSpec, widen: bool, key: str) -> dict[str, Param]:
@@ -347,6 +364,7 @@ def _around_written(spec: PipelineSpec, widen: bool, key: str) -> dict[str, Para
         space[name] = param.model_copy(update={"choices": [*param.choices, value]} if param.type == "categorical"
                                        else {"low": min(param.low, value), "high": max(param.high, value)})
     return space
+
 
 def study_name(pipeline: str, spec: PipelineSpec, seeds: list[int]) -> str:
     """The study of one pipeline's tuning, named by the pipeline and a hash of everything that decides its trials:

@@ -27,7 +27,7 @@ from fedpilot.stats.scores import sample_steps, summarize
 from fedpilot.stats.study import StudySummary
 from fedpilot.stats.table import format_counts, format_table, format_tuning, format_verdicts
 from fedpilot.stats.verdicts import method, optimism, verdicts
-from fedpilot.tracking import NOTE_TAG, STAGE_TAG, Tracker
+from fedpilot.tracking import NOTE_TAG, RECORD_ARTIFACT, TABLE_ARTIFACT, Tracker, stage_runs
 
 
 @dataclass
@@ -88,9 +88,7 @@ def objective_of(plan: Plan, pipeline: str) -> str | None:
 
 def last_stage(client: MlflowClient, experiment_id: str, pipeline_run: str) -> str:
     """The run of a pipeline run's last stage (the newest run of its largest stage index)."""
-    stages = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{pipeline_run}'",
-                                order_by=["attributes.start_time ASC"])
-    newest = {int(r.data.tags["fedpilot.stage_index"]): r for r in stages if STAGE_TAG in r.data.tags}
+    newest = stage_runs(client, experiment_id, pipeline_run)
     return newest[max(newest)].info.run_id
 
 
@@ -214,7 +212,7 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, found: Sta
     tracker.set_tags(run_id, {f"run.{name}.{seed}": rid for name, by_seed in main.runs.items()
                               for seed, rid in by_seed.items()})
     tracker.client.log_table(run_id, found.changes.to_dict(orient="list"), CHANGES_TABLE)
-    tracker.client.log_text(run_id, table, "comparison.txt")
+    tracker.client.log_text(run_id, table, TABLE_ARTIFACT)
     tracker.set_tags(run_id, {NOTE_TAG: comparison_note(plan, table)})
     objective = next(iter(plan.tuning.values())).search.objective[0].metric if plan.tuning else None
     tracker.client.log_dict(run_id, {
@@ -226,5 +224,5 @@ def record(tracker: Tracker, run_id: str, plan: Plan, main: Outcomes, found: Sta
         "validation": main.validation if plan.tuning else {}, "optimism": found.optimism,
         "tuning_seeds": plan.comparison.tuning_seeds() if plan.tuning else [], "objective": objective,
         "study_facts": found.facts, "federations": federations},
-        "comparison.json")
+        RECORD_ARTIFACT)
     log_report(tracker.client, run_id)

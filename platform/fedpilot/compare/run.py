@@ -3,22 +3,21 @@ it), given (--resume) or made; the work done in this process beside any other; t
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from fedpilot.compare.events import Event
 from fedpilot.compare.federation import build_all, check_disjoint, fingerprints
-from fedpilot.compare.plan import Plan
+from fedpilot.compare.plan import Plan, tuning_error
 from fedpilot.compare.record import ComparisonResult, assemble
 from fedpilot.compare.work import POLL_SECONDS, Work, find_run, start_run
 from fedpilot.data.federated import FederatedData, staging
+from fedpilot.errors import SpecError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.checks import prepare
 from fedpilot.settings import check_tracking, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import Tracker, comparison_outcome
 
 
 def prepare_plan(plan: Plan, cache_dir: Path) -> dict[str, dict[str, str]]:
@@ -27,7 +26,12 @@ def prepare_plan(plan: Plan, cache_dir: Path) -> dict[str, dict[str, str]]:
     before anything is recorded; the federations' fingerprints by pipeline and seed."""
     def checked(spec: PipelineSpec) -> FederatedData:
         check_tracking(spec.tracking.uri)
-        return prepare(spec, cache_dir).data
+        try:
+            return prepare(spec, cache_dir).data
+        except SpecError as err:  # a tuning spec's objective, say: the set's tune block gave it
+            if spec.search is None or spec.name not in plan.tuning:
+                raise
+            raise tuning_error(plan.comparison, list(plan.specs).index(spec.name), err) from None
 
     with staging():  # new datasets become cache entries only once every check, the federations' too, passed
         built = build_all(plan, cache_dir, checked)
@@ -35,10 +39,12 @@ def prepare_plan(plan: Plan, cache_dir: Path) -> dict[str, dict[str, str]]:
         return fingerprints(plan, built)
 
 
-def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str]:
-    """The tracker of the comparison's experiment and its run: `run_id`, else the plan's unfinished one, else new."""
+def comparison_run(plan: Plan, run_id: str | None = None) -> tuple[Tracker, str, bool]:
+    """The tracker of the comparison's experiment, its run (`run_id`, else the plan's unfinished one, else a new
+    one) and whether that run was made here."""
     tracker = Tracker(tracking_uri(), plan.comparison.name)
-    return tracker, run_id or find_run(tracker, plan) or start_run(tracker, plan)
+    found = run_id or find_run(tracker, plan)
+    return (tracker, found, False) if found else (tracker, start_run(tracker, plan), True)
 
 
 def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, progress: bool = False,
@@ -49,7 +55,7 @@ def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, 
     process to get there; the others read it). The run is RUNNING meanwhile; a stop or failure here marks it KILLED
     or FAILED, and running the same command (or --resume) goes on from what is done. `events` hears where the
     work stands (compare.events)."""
-    tracker, run_id = comparison_run(plan, run_id)
+    tracker, run_id, _ = comparison_run(plan, run_id)
     if tracker.client.get_run(run_id).info.status == "FINISHED":  # --resume of a comparison that is done
         return finished_result(tracker, run_id)
     tracker.client.update_run(run_id, status="RUNNING")
@@ -70,9 +76,7 @@ def run_comparison(plan: Plan, storage_url: str, cache_dir: Path | None = None, 
 
 def finished_result(tracker: Tracker, run_id: str) -> ComparisonResult:
     """The outcome another process assembled, read back from the comparison's run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        record = json.loads(Path(tracker.client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
-        table = Path(tracker.client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    record, table = comparison_outcome(tracker.client, run_id)
     scores = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["scores"].items()}
     runs = {p: {int(s): v for s, v in by_seed.items()} for p, by_seed in record["runs"].items()}
     return ComparisonResult(run_id, table, scores, runs, record["counts"], tracker.uri, tracker.experiment_id)

@@ -7,44 +7,50 @@ and picks up the rest when it runs again. A run whose stage diverged counts as d
 
 from __future__ import annotations
 
-import json
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import optuna
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from fedpilot.compare.events import Event, RunDone, RunStarted, StudyStarted, TrialDone, UnitsDone
 from fedpilot.compare.note import comparison_params
 from fedpilot.compare.plan import TUNED, WRITTEN, Plan
-from fedpilot.db import connect, engine_options
-from fedpilot.errors import NoSuchRun, StageFailed
+from fedpilot.db import connect
+from fedpilot.errors import NoSuchRun, StageCrashed, StageFailed
 from fedpilot.leases import NamedLease
+from fedpilot.pipeline.cache import StageCache, data_fingerprint, stage_keys
+from fedpilot.pipeline.checks import resolve_device
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.signals import Stopped, stop_asked, stop_on_signals
+from fedpilot.settings import cache_root
 from fedpilot.stats.study import StudySummary, study_summary
 from fedpilot.studies.edges import EDGES
 from fedpilot.tracking import (
+    BASELINE_TAG,
+    COMPARE_RUN_TAG,
     COMPARE_TAG,
+    KEY_TAG,
     PIPELINE_TAG,
+    PLAN_ARTIFACT,
     RESUMABLE_TAG,
+    SEED_TAG,
+    VARIANT_TAG,
     Tracker,
     close_orphans,
+    read_json,
+    recorded_executions,
     schema_init_lock,
 )
-from fedpilot.tuning import Search, StudyFacts, StudyScope, study_facts
+from fedpilot.tuning import Search, StudyFacts, StudyScope, fail_stale, study_facts, study_storage
 
-COMPARE_RUN_TAG = "fedpilot.compare_run"  # a comparison's pipeline run: the comparison's run id
-VARIANT_TAG = "fedpilot.compare_variant"  # tuned | written
-KEY_TAG = "fedpilot.compare_key"  # a comparison's run: the hash of its plan (a rerun continues the run)
-PLAN_ARTIFACT = "comparison_plan.json"
+__all__ = ["COMPARE_RUN_TAG", "KEY_TAG", "VARIANT_TAG", "Unit", "Work", "find_run", "finished_runs", "start_run"]
 POLL_SECONDS = 2.0  # a process with nothing to claim looks again after this long
 FINISHED = ("COMPLETE", "PRUNED")
 
@@ -73,7 +79,7 @@ def start_run(tracker: Tracker, plan: Plan) -> str:
     """A new comparison run: its plan (what --resume continues), the set's settings as params."""
     comparison = plan.comparison
     run_id = tracker.client.create_run(tracker.experiment_id, run_name=f"compare-{comparison.name}", tags={
-        COMPARE_TAG: comparison.name, "fedpilot.baseline": plan.baseline, KEY_TAG: plan.key}).info.run_id
+        COMPARE_TAG: comparison.name, BASELINE_TAG: plan.baseline, KEY_TAG: plan.key}).info.run_id
     tracker.log_params(run_id, comparison_params(plan))
     tracker.client.log_dict(run_id, plan.to_json(), PLAN_ARTIFACT)
     return run_id
@@ -86,19 +92,22 @@ def recorded_plan(client: MlflowClient, run_id: str) -> Plan:
     except Exception as err:  # MlflowException for an unknown id
         raise NoSuchRun("--resume", run_id, f"no such run ({type(err).__name__})") from None
     if COMPARE_TAG not in run.data.tags or PIPELINE_TAG in run.data.tags:
-        raise NoSuchRun("--resume", run_id, "not a comparison's run (tag fedpilot.compare, no fedpilot.pipeline)")
-    if PLAN_ARTIFACT not in {a.path for a in client.list_artifacts(run_id)}:
+        raise NoSuchRun("--resume", run_id, f"not a comparison's run (tag {COMPARE_TAG}, no {PIPELINE_TAG})")
+    recorded = read_json(client, run_id, PLAN_ARTIFACT)
+    if recorded is None:
         raise NoSuchRun("--resume", run_id, "this comparison recorded no plan (it was made by an older fedpilot)")
-    with tempfile.TemporaryDirectory() as tmp:
-        return Plan.from_json(json.loads(Path(client.download_artifacts(run_id, PLAN_ARTIFACT, tmp)).read_text()))
+    return Plan.from_json(recorded)
 
 
-def runs_of(tracker: Tracker, run_id: str) -> Iterator[Run]:
-    """Every pipeline run a comparison started (any status), page by page."""
+def runs_of(tracker: Tracker, run_id: str, unit: Unit | None = None) -> Iterator[Run]:
+    """Every pipeline run a comparison started (any status), page by page; those of one `unit`, if given."""
+    query = f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'"
+    if unit is not None:
+        query += (f" and tags.`{VARIANT_TAG}` = '{unit.variant}' and tags.`{PIPELINE_TAG}` = '{unit.pipeline}' and "
+                  f"tags.`{SEED_TAG}` = '{unit.seed}'")
     token = None
     while True:
-        page = tracker.client.search_runs([tracker.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'",
-                                          max_results=1000, page_token=token)
+        page = tracker.client.search_runs([tracker.experiment_id], query, max_results=1000, page_token=token)
         yield from page
         token = page.token
         if not token:
@@ -107,18 +116,36 @@ def runs_of(tracker: Tracker, run_id: str) -> Iterator[Run]:
 
 def unit_of(run: Run) -> Unit:
     tags = run.data.tags
-    return Unit(tags[VARIANT_TAG], tags[PIPELINE_TAG], int(tags["fedpilot.seed"]))
+    return Unit(tags[VARIANT_TAG], tags[PIPELINE_TAG], int(tags[SEED_TAG]))
 
 
-def finished_runs(tracker: Tracker, run_id: str) -> dict[Unit, Run]:
-    """Each unit's run that is done: FINISHED, else FAILED for good (its stage diverged: no score)."""
+def finished_runs(tracker: Tracker, run_id: str, runs: Iterable[Run] | None = None) -> dict[Unit, Run]:
+    """Each unit's run that is done: FINISHED, else FAILED for good (its stage diverged: no score); of `runs`
+    (default: every pipeline run of the comparison)."""
     done: dict[Unit, Run] = {}
-    for run in runs_of(tracker, run_id):
+    for run in runs_of(tracker, run_id) if runs is None else runs:
         status, unit = run.info.status, unit_of(run)
         ended = status == "FINISHED" or (status == "FAILED" and run.data.tags.get(RESUMABLE_TAG) == "false")
         if ended and (unit not in done or status == "FINISHED"):
             done[unit] = run
     return done
+
+
+@dataclass
+class StudyLook:
+    """A pipeline's study as one pass reads it: its trials in number order, and whether its edges are decided."""
+
+    trials: list[optuna.trial.FrozenTrial]
+    decided: bool
+
+
+@dataclass
+class Look:
+    """What one pass of a comparison's loop reads of the stores, once: the units done (from every pipeline run of
+    the comparison), each study as it stands."""
+
+    done: dict[Unit, Run]
+    studies: dict[str, StudyLook] = field(default_factory=dict)
 
 
 class Work:
@@ -133,7 +160,7 @@ class Work:
         self.events = events  # where it stands, for the command's display (compare.events)
         self.database = connect(storage_url, "--storage")
         with schema_init_lock(storage_url):
-            self.storage = RDBStorage(storage_url, engine_kwargs=engine_options(storage_url)) if plan.tuning else None
+            self.storage = study_storage(storage_url, heartbeat_seconds) if plan.tuning else None
         self.units = [Unit(variant, pipeline, seed) for pipeline in plan.specs for variant in plan.variants
                       for seed in plan.seeds]
         self.units += self._cached_written() if plan.variants == (TUNED,) else []
@@ -144,23 +171,31 @@ class Work:
         with stop_on_signals():
             self._units()
 
+    def look(self) -> Look:
+        """The stores as they are now, read once: the comparison's runs, and each study (stale trials failed and
+        retried first: a trial no process runs any more never holds the comparison up)."""
+        return Look(finished_runs(self.tracker, self.run_id),
+                    {pipeline: self._read(pipeline) for pipeline in self.plan.tuning})
+
     def _units(self) -> None:
         while True:
-            done = finished_runs(self.tracker, self.run_id)
-            left = [u for u in self.units if u not in done]
+            look = self.look()
+            left = [u for u in self.units if u not in look.done]
             self.events(UnitsDone(len(self.units) - len(left), len(self.units),
-                                  tuple(p for p in self.plan.tuning if self.studied(p))))
+                                  tuple(p for p in self.plan.tuning if self.studied(p, look.studies[p]))))
             if not left:
                 return
             busy = False
             for pipeline in self.plan.specs:
-                if self.plan.tuning and not self.studied(pipeline):
+                studied = not self.plan.tuning or self.studied(pipeline, look.studies[pipeline])
+                if not studied:
                     _unless_stopped()
-                    busy |= self._tune(pipeline)
-                ready = [u for u in left if u.pipeline == pipeline and (u.variant == WRITTEN or self.studied(pipeline))]
-                for unit in ready:
+                    if self._tune(pipeline, look.studies[pipeline]):  # its runs at once when this process finished it
+                        busy, look.studies[pipeline] = True, self._read(pipeline)
+                        studied = self.studied(pipeline, look.studies[pipeline])
+                for unit in [u for u in left if u.pipeline == pipeline and (u.variant == WRITTEN or studied)]:
                     _unless_stopped()
-                    busy |= self._run(unit)
+                    busy |= self._run(unit, look)
             if not busy:
                 time.sleep(POLL_SECONDS)
 
@@ -172,30 +207,27 @@ class Work:
         except KeyError:
             return None
 
-    def _trials(self, pipeline: str) -> list[optuna.trial.FrozenTrial]:
-        """The pipeline's study's trials in number order (none before its first)."""
+    def _read(self, pipeline: str) -> StudyLook:
+        """The pipeline's study as it stands (no trials before its first), its stale trials failed and retried
+        first."""
         study = self._study(pipeline)
-        return [] if study is None else sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+        if study is None:
+            return StudyLook([], False)
+        fail_stale(study)
+        return StudyLook(sorted(study.get_trials(deepcopy=False), key=lambda t: t.number), EDGES in study.user_attrs)
 
-    def studied(self, pipeline: str) -> bool:
+    def studied(self, pipeline: str, state: StudyLook) -> bool:
         """Whether the pipeline's study is done: its N finished trials, its edges decided and their trials finished."""
-        study = self._study(pipeline)
-        if study is None or EDGES not in study.user_attrs:
-            return False
-        trials = study.get_trials(deepcopy=False)
-        finished = [t for t in trials if t.state.name in FINISHED]
-        busy = any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
-        return len(finished) >= self.plan.tuning[pipeline].search.trials and not busy
+        finished = [t for t in state.trials if t.state.name in FINISHED]
+        busy = any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in state.trials)
+        return state.decided and len(finished) >= self.plan.tuning[pipeline].search.trials and not busy
 
-    def _tune(self, pipeline: str) -> bool:
+    def _tune(self, pipeline: str, state: StudyLook) -> bool:
         """Run the trials of the pipeline's study that are left to start (none while other processes' are running);
         whether it started any."""
-        study = self._study(pipeline)
-        trials = [] if study is None else study.get_trials(deepcopy=False)
-        started = [t for t in trials if t.state != TrialState.FAIL]
-        decided = study is not None and EDGES in study.user_attrs
-        if len(started) >= self.plan.tuning[pipeline].search.trials and decided and \
-                not any(t.state == TrialState.WAITING for t in trials):
+        started = [t for t in state.trials if t.state != TrialState.FAIL]
+        if len(started) >= self.plan.tuning[pipeline].search.trials and state.decided and \
+                not any(t.state == TrialState.WAITING for t in state.trials):
             return False
         spec = self.plan.tuning[pipeline]
         scope = StudyScope(parent=self.run_id, seeds=tuple(self.plan.comparison.tuning_seeds()),
@@ -205,19 +237,20 @@ class Work:
                                   "pipeline": pipeline, "tracking_uri": self.tracker.uri},
                            callbacks=(lambda study, trial: self.events(TrialDone(
                                pipeline, trial.number, trial.value if trial.state == TrialState.COMPLETE else None)),))
-        best = self.summary(pipeline).best
-        self.events(StudyStarted(pipeline, sum(t.state.name in FINISHED for t in trials),
+        best = self.summary(pipeline, state.trials).best
+        self.events(StudyStarted(pipeline, sum(t.state.name in FINISHED for t in state.trials),
                                  spec.search.trials, best if np.isfinite(best) else None))
         self.echo(f"tuning {pipeline}: study {spec.search.study}, space {', '.join(spec.search.space)}")
         Search(spec, self.storage_url, spec.search.trials, spec.search.study, self.cache_dir,
                self.heartbeat, self.echo, scope).run()
         return True
 
-    def summary(self, pipeline: str) -> StudySummary:
+    def summary(self, pipeline: str, trials: list[optuna.trial.FrozenTrial] | None = None) -> StudySummary:
         """The pipeline's study over its finished trials, in number order: the N it was asked for and those beyond
-        an edge (its objective's direction from the spec)."""
+        an edge (its objective's direction from the spec), of its `trials` (default: read now)."""
         spec = self.plan.tuning[pipeline]
-        finished = [t for t in self._trials(pipeline) if t.state.name in FINISHED]
+        trials = self._read(pipeline).trials if trials is None else trials
+        finished = [t for t in trials if t.state.name in FINISHED]
         pairs = [(t.value if t.state == TrialState.COMPLETE else None, dict(t.params)) for t in finished]
         return study_summary(spec.search.study, pairs, spec.search.objective[0].direction == "maximize",
                              [s.name for s in spec.stages])
@@ -229,25 +262,30 @@ class Work:
                            spec.search.objective[0].direction == "maximize")
 
     # ---- the runs ------------------------------------------------------------------------------------------
-    def _run(self, unit: Unit) -> bool:
-        """Claim and run one unit (unless another process holds it, or finished it meanwhile); whether it did."""
+    def _run(self, unit: Unit, look: Look) -> bool:
+        """Claim and run one unit (unless another process holds it, or finished it since `look`); whether it did. A
+        unit run again (its process stopped or died) runs each stage on the executor its last run chose there."""
         lease = NamedLease(self.database, f"compare:{self.run_id}:{unit.name}", 3 * self.heartbeat)
         if not lease.try_acquire():
             return False
         with lease.kept():
-            if unit in finished_runs(self.tracker, self.run_id):
+            earlier = list(runs_of(self.tracker, self.run_id, unit))  # this unit's runs only, under its lease
+            if unit in finished_runs(self.tracker, self.run_id, earlier):
                 return False
-            self._close_orphans(unit)
-            values = self.summary(unit.pipeline).chosen if unit.variant == TUNED else None
+            self._close_orphans(earlier)
+            values = self.summary(unit.pipeline, look.studies[unit.pipeline].trials).chosen if unit.variant == TUNED \
+                else None
             runner = PipelineRunner(self.plan.spec(unit.pipeline, unit.seed, values), cache_dir=self.cache_dir,
-                                    progress=self.progress)
+                                    progress=self.progress, executions=self._executions(earlier))
             tags = {COMPARE_TAG: self.plan.comparison.name, COMPARE_RUN_TAG: self.run_id, VARIANT_TAG: unit.variant,
-                    "fedpilot.seed": str(unit.seed)}
+                    SEED_TAG: str(unit.seed)}
             variant = f" {unit.variant}" if self.plan.tuning else ""
             label = f"seed {unit.seed} {unit.pipeline}{variant}"
             self.events(RunStarted(unit.pipeline, unit.seed, unit.variant))
             try:
                 result = runner.run(parent=self.run_id, tags=tags, name=f"{unit.pipeline} seed {unit.seed}{variant}")
+            except StageCrashed:  # a plugin's or fedpilot's own failure: the comparison stops, named
+                raise
             except StageFailed as err:  # diverged: recorded FAILED for good; the seed has no score
                 self.echo(f"{label}: {err}")
                 self.events(RunDone(unit.pipeline, unit.seed, unit.variant, None))
@@ -259,19 +297,27 @@ class Work:
         self.events(RunDone(unit.pipeline, unit.seed, unit.variant, metrics.get(f"test_{metric}_mean")))
         return True
 
-    def _close_orphans(self, unit: Unit) -> None:
+    def _close_orphans(self, earlier: list[Run]) -> None:
         """A unit's runs left RUNNING by a process that died: KILLED (their unit is run again)."""
-        for run in runs_of(self.tracker, self.run_id):
-            if run.info.status == "RUNNING" and unit_of(run) == unit:
+        for run in earlier:
+            if run.info.status == "RUNNING":
                 close_orphans(self.tracker.uri, run.info.run_id, "the comparison process running it died")
 
-    def _cached_written(self) -> list[Unit]:
-        """The pipelines as written whose every stage the stage cache holds on every comparison seed: their untuned
-        scores cost nothing, so the table shows them."""
-        return [Unit(WRITTEN, pipeline, seed) for pipeline, by_seed in self.plan.specs.items()
-                if all(PipelineRunner(spec, cache_dir=self.cache_dir, progress=False).cached()
-                       for spec in by_seed.values()) for seed in by_seed]
+    def _executions(self, earlier: list[Run]) -> dict[int, dict[str, Any]]:
+        """How each stage of a unit's newest earlier run ran, as it recorded it (none for a unit's first run)."""
+        if not earlier:
+            return {}
+        newest = max(earlier, key=lambda run: run.info.start_time)
+        return recorded_executions(self.tracker.client, self.tracker.experiment_id, newest.info.run_id)
 
+    def _cached_written(self) -> list[Unit]:
+        """The pipelines as written whose every stage the stage cache holds on every comparison seed (their keys
+        computed, nothing built): their untuned scores cost nothing, so the table shows them."""
+        cache = StageCache(self.cache_dir or cache_root())
+        return [Unit(WRITTEN, pipeline, seed) for pipeline, by_seed in self.plan.specs.items()
+                if all(cache.has(key) for spec in by_seed.values()
+                       for key in stage_keys(spec, data_fingerprint(spec), resolve_device(spec.device).type))
+                for seed in by_seed]
 
 
 def _unless_stopped() -> None:

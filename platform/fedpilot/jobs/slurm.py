@@ -56,7 +56,7 @@ from fedpilot.jobs.queue import (
     submit,
 )
 from fedpilot.jobs.slurm_options import SlurmSpec, slurm_minutes
-from fedpilot.settings import cache_root, sqlite_file
+from fedpilot.settings import SERVER_TIMEOUT_S, cache_root, sqlite_file
 
 SLURM = "slurm"
 ENV = "FEDPILOT_SLURM"  # defaults for every submission: "partition=gpu gpus=1 time=4:00:00 account=lab"
@@ -142,7 +142,7 @@ def enqueue(database: Engine, db_url: str, fields: dict[str, Any], slurm: SlurmS
                         "or comparison)")
     spec = json.loads(fields["spec"])
     params = parameters(spec, slurm, f"fedpilot-{fields['pipeline']}")
-    need_slurm()
+    reach_slurm()
     ids = [submit(database, {**fields, "backend": SLURM, "slurm": record(slurm, parallel)}) for _ in range(parallel)]
     try:
         slurm_ids = dispatch(database, db_url, ids, params)
@@ -188,7 +188,7 @@ def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
     stored = json.loads(rows[0].slurm or "{}")
     stored.pop("parallel", None)
     try:
-        need_slurm()
+        reach_slurm()
         params = parameters(json.loads(rows[0].spec), SlurmSpec.model_validate(stored), f"fedpilot-{rows[0].pipeline}")
         dispatch(database, db_url, ids, params)
     except UserError as err:
@@ -199,10 +199,26 @@ def dispatch_queued(database: Engine, db_url: str, ids: list[int]) -> None:
 
 def need_slurm() -> None:
     """A SubmitRefused unless Slurm's client commands are on this machine's PATH."""
-    for command in ("sbatch", "squeue", "scancel"):
+    for command in ("sbatch", "squeue", "scancel", "sinfo"):
         if shutil.which(command) is None:
             raise SubmitRefused("--to", SLURM, f"Slurm's `{command}` is not on PATH: submit from a machine of the "
                             "cluster (a login node)")
+
+
+def reach_slurm() -> None:
+    """A SubmitRefused unless Slurm's controller answers (`sinfo` within SERVER_TIMEOUT_S): a command sending work to
+    Slurm finds out before it creates anything (a comparison's run, the jobs' rows), not when sbatch fails."""
+    need_slurm()
+    try:
+        answer = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True,
+                                timeout=SERVER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SubmitRefused("--to", SLURM, f"Slurm's controller did not answer within {SERVER_TIMEOUT_S} s "
+                            "(sinfo)") from None
+    if answer.returncode != 0:
+        said = [line.strip() for line in answer.stderr.splitlines() if line.strip()] or [
+            f"sinfo exited with {answer.returncode}"]
+        raise SubmitRefused("--to", SLURM, f"Slurm's controller does not answer: {said[-1]}")
 
 
 # ---- the job on the cluster ------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@ tracking.py, so that what only reads or closes runs, a job worker reaping a dead
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from mlflow.entities import Metric
 
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.tracking import Tracker
+from fedpilot.tracking import EXECUTION_TAG, EXECUTOR_TAG, Tracker
 
 
 class RoundMetrics(RoundCallback):
@@ -27,8 +28,12 @@ class RoundMetrics(RoundCallback):
         self.tracker, self.run_id = tracker, run_id
         self.pending: list[Metric] = []
         self.flushed_at = time.monotonic()
+        self.executor = ""  # the executor tagged on the run
 
     def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        if result.executor != self.executor:  # chosen on the first round: recorded at once, for a rerun to pin
+            self.tracker.set_tags(self.run_id, execution_tags(stage))
+            self.executor = result.executor
         metrics = {k: v for k, v in result.metrics.items() if not k.startswith("test_")}
         self.pending += self.tracker.new_metrics(self.run_id, metrics, step=result.round)
         if time.monotonic() - self.flushed_at >= self.flush_seconds:
@@ -47,3 +52,11 @@ class RoundMetrics(RoundCallback):
         """Write the rounds logged since the last flush."""
         self.tracker.write_metrics(self.run_id, self.pending)
         self.pending, self.flushed_at = [], time.monotonic()
+
+
+def execution_tags(stage: Any) -> dict[str, str]:
+    """The tags of how a stage runs: its executor's name, and what a rerun needs to compute the same numbers (the
+    executor with its clients per call and per chunk, which `PipelineRunner(executions=...)` pins)."""
+    choice = stage.executor_choice.state_dict()
+    pin = {key: choice[key] for key in ("execution", "clients_per_call", "clients_per_chunk")}
+    return {EXECUTOR_TAG: stage.execution, EXECUTION_TAG: json.dumps(pin, sort_keys=True)}

@@ -3,6 +3,7 @@ each starting from the previous stage's shared model and personal bank, recordin
 
 from __future__ import annotations
 
+import gc
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,29 +19,41 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from fedpilot.algorithms import ALGORITHMS
 from fedpilot.data.federated import staging
 from fedpilot.data.summary import describe
 from fedpilot.engine.bank import carry_bank
+from fedpilot.engine.config import AUTO
 from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
 from fedpilot.engine.stage import FederatedStage
-from fedpilot.errors import StageFailed
-from fedpilot.models.options import MODELS
+from fedpilot.errors import StageCrashed, StageFailed, UserError, raised_at
 from fedpilot.models.split import ParamSplit, apply_split
 from fedpilot.names import safe_path
 from fedpilot.overview import applicable
 from fedpilot.overview import summary as what_runs
-from fedpilot.pipeline.cache import StageCache, code_fingerprint, stage_key
+from fedpilot.pipeline.cache import StageCache, novel_recipe, stage_keys
 from fedpilot.pipeline.checks import prepare, stage_split, under_slurm
 from fedpilot.pipeline.progress import RoundProgress
-from fedpilot.pipeline.round_metrics import RoundMetrics
+from fedpilot.pipeline.round_metrics import RoundMetrics, execution_tags
 from fedpilot.pipeline.signals import CheckpointOnStop, stop_on_signals
 from fedpilot.pipeline.stage_record import SPLITS, stage_record
 from fedpilot.report import log_report
 from fedpilot.report.pipeline_page import pipeline_note
 from fedpilot.settings import cache_root, tracking_uri
 from fedpilot.spec import PipelineSpec
-from fedpilot.tracking import CACHE_TAG, NOTE_TAG, RESUMABLE_TAG, Tracker, set_params
+from fedpilot.tracking import (
+    CACHE_KEY_TAG,
+    CACHE_SOURCE_TAG,
+    CACHE_TAG,
+    ERROR_ARTIFACT,
+    NOTE_TAG,
+    RESUMABLE_TAG,
+    STOPPED,
+    Tracker,
+    recorded_executions,
+    set_params,
+)
 
 
 @dataclass
@@ -68,9 +81,12 @@ class PipelineRunner:
     """Runs one PipelineSpec end to end; `run()` returns the MLflow parent run and every stage's outcome."""
 
     def __init__(self, spec: PipelineSpec, cache_dir: Path | None = None, progress: bool = True,
-                 use_cache: bool = True, extra_callbacks: Callable[[int], list[Callback]] | None = None):
+                 use_cache: bool = True, extra_callbacks: Callable[[int], list[Callback]] | None = None,
+                 executions: dict[int, dict[str, Any]] | None = None):
         """`extra_callbacks(round_offset)`: more callbacks for each trained stage, given the rounds of the stages
-        before it (a search's pruning callback)."""
+        before it (a search's pruning callback). `executions`: how a stage under `execution: auto` runs instead of
+        timing the candidates, by stage index (what an earlier run of the same spec recorded, tracking's
+        EXECUTION_TAG: its executor, clients per call and per chunk), so that a rerun computes the same numbers."""
         self.spec, self.progress, self.use_cache = spec, progress, use_cache
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
@@ -81,12 +97,15 @@ class PipelineRunner:
                                                                  prepared.novel_tensors)
             self.model, self.algorithms, self.device = prepared.model, prepared.algorithms, prepared.device
         self.applies = applicable(spec)  # the spec's keys that apply, which its runs log as params
+        self.keys = stage_keys(spec, self.data.fingerprint, self.device.type)
+        self.executions = {i: pin for i, pin in (executions or {}).items() if pin.get("execution", AUTO) != AUTO}
         self.uri = tracking_uri(spec.tracking.uri)
         self.tracker = Tracker(self.uri, spec.tracking.experiment or spec.name)
         self.extra_callbacks = extra_callbacks or (lambda round_offset: [])
         self.rounds_trained = 0
         self.run_id: str | None = None  # the pipeline's MLflow run once run() created or resumed it
         self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
+        self._at: tuple[int, FederatedStage | None] = (0, None)  # the stage being built (None) or run: its errors
 
     # ---- the pipeline --------------------------------------------------------------------------------------
     def run(self, resume: str | None = None, parent: str | None = None, tags: dict[str, str] | None = None,
@@ -98,9 +117,11 @@ class PipelineRunner:
         A run of its own (not nested) ends with its report (`report.html`) when the pipeline has `tracking.plots`."""
         spec = self.spec
         with_report = spec.tracking.plots and parent is None
+        free_what_earlier_runs_left(self.device)
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
             self.tracker.resume(run_id)
+            self.executions = {**self._recorded_executions(resume), **self.executions}
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
@@ -126,15 +147,24 @@ class PipelineRunner:
             shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
         except BaseException as err:
             self.tracker.fail(open_runs, err)
-            if isinstance(err, StageFailed):  # nothing to resume: it would fail the same way again
+            if isinstance(err, StageCrashed):  # its whole traceback: in the innermost run's error.txt
+                err.traceback_at = self.tracker.artifact_location(open_runs[-1], ERROR_ARTIFACT)
+            elif isinstance(err, StageFailed):  # nothing to resume: it would fail the same way again
                 self.tracker.set_tags(parent, {RESUMABLE_TAG: "false"})
                 shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
             raise
         return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
 
+    def _recorded_executions(self, parent: str) -> dict[int, dict[str, Any]]:
+        """How each stage of the resumed run `parent` ran, as it recorded it, where the stage has no checkpoint (one
+        restores its choice itself)."""
+        return {i: pin for i, pin in recorded_executions(self.tracker.client, self.tracker.experiment_id,
+                                                         parent).items()
+                if not (self._checkpoints(parent, i) / "last.ckpt").is_file()}
+
     def cached(self) -> bool:
         """Whether the stage cache holds every stage of the pipeline (a run would train nothing)."""
-        return all(self.cache.has(key) for _, _, _, key, _ in self._each_stage())
+        return all(self.cache.has(key) for key in self.keys)
 
     def follow(self, resume: str | None = None) -> None:
         """What a DDP process other than rank 0 runs (Lightning starts them at the first stage trained with
@@ -158,46 +188,60 @@ class PipelineRunner:
         """The checkpoint folder of stage `index` of the pipeline run `parent` while it trains (under root/runs)."""
         return safe_path(self.root / "runs", parent, f"{index}-{self.spec.stages[index].name}")
 
-    def _stage(self, i: int, key: str, before: FederatedStage | None) -> tuple[FederatedStage, ParamSplit, str]:
-        """Stage i on the model as the previous stages left it: the algorithm's additions, its split, its cache key
-        (chained to the previous stage's `key`) and its starting personal bank (from `before`)."""
+    def _stage(self, i: int, before: FederatedStage | None) -> FederatedStage:
+        """Stage i on the model as the previous stages left it: the algorithm's additions, its split and its
+        starting personal bank (from `before`); under `execution: auto`, the executor `executions` pins."""
         spec, stage_spec, algorithm = self.spec, self.spec.stages[i], self.algorithms[i]
         split_spec, dim = stage_split(spec, stage_spec, algorithm.personal_part)
         torch.manual_seed(spec.seed * 1000 + i)  # adapters or gates added for this stage start the same every run
         algorithm.prepare_model(self.model, self.data.feature_shape)
         split = apply_split(self.model, split_spec, dim)
-        code = code_fingerprint(algorithm, self.model, MODELS[spec.model.name])  # a builder function's module too
         novel, select = self._novel_clients(i), spec.evaluation.select == "val" and i == len(spec.stages) - 1
-        beyond = {"novel": [int(c) for c in self.novel], "recipe": novel.local.model_dump(mode="json"),
-                  "cohort": novel.cohort} if novel else {}
-        key = stage_key(key, self.data, spec, i, split_spec, self.device.type, code, {**beyond, "select": select}
-                        if novel or select else None)
         config = stage_spec.engine_config(spec.evaluation)
         own = [*split.personal_names, *sorted(algorithm.constants)]  # what each client holds of its own
         bank = None if before is None else carry_bank(before.bank, before.model, own, before.config.host_memory_budget)
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
                                stage_spec.name, novel, select)
-        return stage, split, key
+        if i in self.executions:  # as a checkpoint restores it: a choice `execution: auto` need not time
+            stage.executor_choice.load_state_dict(self.executions[i])
+        return stage
 
     def _novel_clients(self, i: int) -> NovelClients | None:
         """Stage i's held-out clients and how they adapt: the pipeline's fine-tuning recipe (its first `finetune`
         stage's local work and cohort), else stage i's own."""
         if self.novel_tensors is None:
             return None
-        stages = self.spec.stages
-        recipe = next((s for s, a in zip(stages, self.algorithms, strict=True) if a.name == "finetune"), stages[i])
+        recipe = novel_recipe(self.spec, i)
         return NovelClients(self.novel_tensors, recipe.local, recipe.clients_per_round)
 
     def _each_stage(self) -> Iterator[tuple[int, FederatedStage, ParamSplit, str, FederatedStage | None]]:
         """Each stage in order (index, stage, split, cache key, the stage before it), built once the one before it
         has run: every process runs the pipeline's stages through this one loop (`run` and `follow`)."""
-        key, before = "", None
+        before = None
         for i in range(len(self.spec.stages)):
-            stage, split, key = self._stage(i, key, before)
-            yield i, stage, split, key, before
+            self._at = (i, None)
+            stage = self._stage(i, before)
+            self._at = (i, stage)
+            yield i, stage, stage.split, self.keys[i], before
             before = stage
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
+        """Each stage's outcome, reused or trained; code that raises while a stage is built or trained (a plugin's,
+        or fedpilot's own) is a StageCrashed naming the stage, its algorithm's origin and the round."""
+        try:
+            return self._outcomes(parent, previous_runs, open_runs)
+        except (UserError, StageFailed, *STOPPED):
+            raise
+        except Exception as err:
+            i, stage = self._at
+            spec = self.spec.stages[i]
+            last = stage.guard.last_round if stage is not None else None
+            raise StageCrashed(spec.name, ALGORITHMS.origin(spec.algorithm), None if last is None else last + 1, err,
+                               raised_at(err)) from err
+        finally:
+            self._at = (0, None)  # the runner outlives its stages
+
+    def _outcomes(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
         outcomes, offset = [], 0
         for i, stage, split, key, before in self._each_stage():
             stage_spec, earlier = self.spec.stages[i], previous_runs.get(i)
@@ -208,7 +252,7 @@ class PipelineRunner:
                 outcome = self._reuse(parent, i, stage, split, cached, key, earlier, before)
             else:
                 run_id = earlier.info.run_id if earlier is not None else self.tracker.start_stage(
-                    parent, i, stage_spec.name, stage_spec.algorithm, {CACHE_TAG: "miss", "fedpilot.cache_key": key})
+                    parent, i, stage_spec.name, stage_spec.algorithm, {CACHE_TAG: "miss", CACHE_KEY_TAG: key})
                 open_runs.append(run_id)
                 outcome = self._train(parent, i, run_id, stage, split, key, earlier is not None, before, offset)
                 open_runs.remove(run_id)
@@ -257,7 +301,7 @@ class PipelineRunner:
             self.tracker.log_history(run_id, stage.history)
             return self._record(index, run_id, cache, stage, split, cached["peak_memory_bytes"], before)
         run_id = self.tracker.start_stage(parent, index, spec_stage.name, spec_stage.algorithm, {
-            CACHE_TAG: "hit", "fedpilot.cache_key": key, "fedpilot.cache_source": cached["run_id"]})
+            CACHE_TAG: "hit", CACHE_KEY_TAG: key, CACHE_SOURCE_TAG: cached["run_id"]})
         self.tracker.log_params(run_id, set_params(self.applies["stages"][index]))
         self.tracker.log_history(run_id, stage.history)
         return self._record(index, run_id, "hit", stage, split, cached["peak_memory_bytes"], before)
@@ -288,8 +332,17 @@ class PipelineRunner:
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
                      **stage.executor_choice.record()}
-            self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
+            self.tracker.set_tags(run_id, execution_tags(stage))  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)
             self.tracker.finish(run_id)
         return StageOutcome(index, name, cache, run_id, report.primary, {**report.metrics, **report.memory})
+
+
+def free_what_earlier_runs_left(device: torch.device) -> None:
+    """Free what earlier runs in this process left for the garbage collector before a run allocates: a finished
+    stage and its trainer hold each other, and a trial pruned or stopped left them to its exception, so only a full
+    collection frees them (Python runs one rarely): in a study's or a comparison's process, each run's peak stood on
+    what the runs before it left (docs/benchmarks.md). The allocator's freed memory goes back to the system too."""
+    gc.collect()
+    release_freed_memory(device)

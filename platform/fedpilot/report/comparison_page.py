@@ -4,10 +4,7 @@ each client's change against the baseline over the seeds (fedpilot.client_effect
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -24,7 +21,7 @@ from fedpilot.report.page import Section, page
 from fedpilot.report.runs import read_table
 from fedpilot.stats.study import StudySummary
 from fedpilot.stats.table import frame, pipelines_rows, tuning_rows, verdict_rows
-from fedpilot.tracking import COMPARE_TAG, PIPELINE_TAG
+from fedpilot.tracking import COMPARE_TAG, PIPELINE_TAG, RECORD_ARTIFACT, comparison_outcome
 
 
 @dataclass
@@ -46,12 +43,10 @@ def is_comparison(run) -> bool:
 def load_comparison_run(client: MlflowClient, run) -> ComparisonRun:
     """A finished comparison's run as its report reads it."""
     run_id = run.info.run_id
-    paths = {a.path for a in client.list_artifacts(run_id)}
-    if "comparison.json" not in paths:
-        raise NoSuchRun("RUN_ID", run_id, "this comparison has not finished (no comparison.json)")
-    with tempfile.TemporaryDirectory() as tmp:
-        record = json.loads(Path(client.download_artifacts(run_id, "comparison.json", tmp)).read_text())
-        table = Path(client.download_artifacts(run_id, "comparison.txt", tmp)).read_text()
+    outcome = comparison_outcome(client, run_id)
+    if outcome is None:
+        raise NoSuchRun("RUN_ID", run_id, f"this comparison has not finished (no {RECORD_ARTIFACT})")
+    record, table = outcome
     metrics = run.data.metrics
     counts = {p: {k: int(metrics[f"{p}/clients_{k}"]) for k in COUNTS if f"{p}/clients_{k}" in metrics}
               for p in record["runs"] if f"{p}/clients_{COUNTS[0]}" in metrics}  # an older run: no unchanged

@@ -3,16 +3,12 @@ tables), and the labels that tell several runs apart."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from fedpilot.client_effects import participating
 from fedpilot.errors import NoSuchRun
@@ -25,6 +21,8 @@ from fedpilot.tracking import (
     PIPELINE_TAG,
     SPEC_ARTIFACT,
     STAGE_TAG,
+    read_json,
+    stage_runs,
 )
 
 # The per-client metrics any task records with their whole distribution, by name
@@ -84,10 +82,8 @@ def load_run(client: MlflowClient, run_id: str) -> PipelineRun:
     """A finished (or partly finished) pipeline run and its stage runs, newest run per stage index."""
     run = get_run(client, run_id)
     if PIPELINE_TAG not in run.data.tags:
-        raise NoSuchRun("RUN_ID", run_id, "not a fedpilot pipeline run (tag fedpilot.pipeline)")
-    children = client.search_runs([run.info.experiment_id], f"tags.{MLFLOW_PARENT_RUN_ID} = '{run_id}'",
-                                  order_by=["attributes.start_time ASC"])
-    newest = {int(r.data.tags["fedpilot.stage_index"]): r for r in children if STAGE_TAG in r.data.tags}
+        raise NoSuchRun("RUN_ID", run_id, f"not a fedpilot pipeline run (tag {PIPELINE_TAG})")
+    newest = {i: r for i, r in stage_runs(client, run.info.experiment_id, run_id).items() if STAGE_TAG in r.data.tags}
     stages = [_stage(client, newest[i]) for i in sorted(newest)]
     stages = [s for s in stages if not s.clients.empty]
     if not stages:
@@ -102,12 +98,9 @@ def what_ran(client: MlflowClient, run_id: str) -> str:
     from fedpilot.overview import summary
     from fedpilot.spec import PipelineSpec
 
-    paths = {a.path for a in client.list_artifacts(run_id)}
-    if not {SPEC_ARTIFACT, DATASET_ARTIFACT} <= paths:
+    spec, dataset = read_json(client, run_id, SPEC_ARTIFACT), read_json(client, run_id, DATASET_ARTIFACT)
+    if spec is None or dataset is None:
         return ""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = json.loads(Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text())
-        dataset = json.loads(Path(client.download_artifacts(run_id, DATASET_ARTIFACT, tmp)).read_text())
     try:
         return summary(PipelineSpec.from_dict(spec), dataset.get("clients"), hint=False)
     except ValueError:  # UserError, pydantic's ValidationError: recorded by a fedpilot whose spec differed
@@ -189,8 +182,5 @@ def clients_frame(client: MlflowClient, run_id: str) -> pd.DataFrame:
 
 def read_table(client: MlflowClient, run_id: str, path: str) -> pd.DataFrame:
     """A table a run logged with MLflow's log_table (empty when it has none)."""
-    if path not in {a.path for a in client.list_artifacts(run_id)}:
-        return pd.DataFrame()
-    with tempfile.TemporaryDirectory() as tmp:
-        table = json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text())
-    return pd.DataFrame(table["data"], columns=table["columns"])
+    table = read_json(client, run_id, path)
+    return pd.DataFrame() if table is None else pd.DataFrame(table["data"], columns=table["columns"])

@@ -18,6 +18,7 @@ from fedpilot.engine.executor import (
     Batches,
     Executor,
     Forward,
+    Rate,
     StepRule,
     Tensors,
     TrainStats,
@@ -252,16 +253,18 @@ class Cohort:
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
                        plan.active, self.work.data.inputs, plan.augment)
 
-    def sgd(self, train: Part, lr: float | dict[str, float] | None = None, *, epochs: float | None = None,
-            steps: int | torch.Tensor | None = None, shared: Tensors | None = None, prox: float = 0.0,
+    def sgd(self, train: Part, lr: Rate | dict[str, Rate | None] | None = None, *, epochs: float | None = None,
+            steps: int | torch.Tensor | None = None, shared: Tensors | None = None, prox: Rate = 0.0,
             reference: Tensors | None = None) -> Local:
         """Local SGD of the `train` part for each client, starting from its current parameters.
 
         Work defaults to the stage's `local` block (epochs or steps); `steps` may be a tensor, one count per client
         of the whole cohort [R] (the batch plan is drawn once for every chunk; see the class docstring).
-        `lr` is one value or {"shared": .., "personal": ..}; the round's schedule factor multiplies it.
+        `lr` is one value or {"shared": .., "personal": ..} (None: the stage's `local.lr`), each a number or one per
+        client of this chunk [K] (a batch of trials' rows); the round's schedule factor multiplies it.
         `shared` optionally replaces the broadcast with per-client shared parameters [K, ...].
-        `prox` adds prox/2 * ||w - reference||^2 to each client's loss (reference: the stage's start).
+        `prox` adds prox/2 * ||w - reference||^2 to each client's loss (reference: the stage's start); a number or
+        one per client of this chunk [K].
         """
         local = self.work.local
         if epochs is None and steps is None:
@@ -303,15 +306,28 @@ class Cohort:
         return (trainable, {**{n: v for n, v in frozen.items() if n not in trainable}, **self.constants},
                 {n: v for n, v in fixed.items() if n not in trainable})
 
-    def _rule(self, trainable: Tensors, lr, prox: float, reference: Tensors | None) -> StepRule:
+    def _rule(self, trainable: Tensors, lr: Any, prox: float | torch.Tensor, reference: Tensors | None) -> StepRule:
         local = self.work.local
-        if lr is None or isinstance(lr, float | int):
-            rates = dict.fromkeys(trainable, float(lr if lr is not None else local.lr))
+        if lr is None or not isinstance(lr, dict):
+            rates = dict.fromkeys(trainable, self._per_row(local.lr if lr is None else lr, "lr"))
         else:
-            rates = {n: float(lr.get("personal" if n in self.personal else "shared") or local.lr) for n in trainable}
+            parts = {part: self._per_row(local.lr if lr.get(part) is None else lr[part], f"lr[{part!r}]")
+                     for part in ("personal", "shared")}
+            rates = {n: parts["personal" if n in self.personal else "shared"] for n in trainable}
         rates = {n: r * self.work.lr_factor for n, r in rates.items()}
-        ref = {n: reference[n] for n in trainable} if prox else {}
+        prox = self._per_row(prox, "prox")
+        ref = {n: reference[n] for n in trainable} if torch.is_tensor(prox) or prox else {}
         return StepRule(rates, local.clip_norm, local.weight_decay, prox, ref)
+
+    def _per_row(self, value: float | torch.Tensor, name: str) -> float | torch.Tensor:
+        """A step's value as the rule takes it: a number, or one value per client of this chunk [K] (float32 on the
+        data's device)."""
+        if not torch.is_tensor(value):
+            return float(value)
+        if value.shape != (len(self),):
+            raise ValueError(f"cohort.sgd: `{name}` as a tensor holds one value per client of this chunk, shape "
+                             f"({len(self)},); got {tuple(value.shape)}")
+        return value.to(self.work.x.device, torch.float32)
 
     def _run(self, trainable: Tensors, frozen: Tensors, fixed: Tensors, plan: BatchPlan, rule: StepRule) -> Tensors:
         work = self.work

@@ -15,6 +15,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     tunable = {"local.lr": step_size()}
+    batches_trials = True  # its only value is the stage's local lr, which the engine applies per row
 
     @property
     def personal_part(self) -> str:

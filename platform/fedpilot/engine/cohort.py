@@ -26,7 +26,9 @@ from fedpilot.engine.executor import (
     plain_forward,
     precision_context,
 )
+from fedpilot.engine.protocol import AlgorithmParams
 from fedpilot.engine.task import Task
+from fedpilot.engine.values import RowValues, TrialValues
 from fedpilot.errors import NothingToTrain
 from fedpilot.models.split import ParamSplit
 
@@ -34,13 +36,14 @@ if TYPE_CHECKING:
     from fedpilot.engine.protocol import Algorithm
 
 Part = Literal["personal", "shared", "all"]
-__all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "plain_forward"]
+__all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "TimingRun", "plain_forward"]
 
 
 @dataclass
 class RoundWork:
-    """Everything the engine fixes for one round: data, model and how it is applied, task, local settings, seeds,
-    the executors the stage chose, the split, and the server's state as the round starts."""
+    """Everything the engine fixes for one round, the same for every trial of a batch: data, model and how it is
+    applied, task, local work (its budget and batch size; the values a trial may have its own of are the cohort's
+    `values`), the lr schedule's factor, seeds, the executors the stage chose, the split."""
 
     model: nn.Module
     forward: Forward
@@ -52,7 +55,6 @@ class RoundWork:
     executor: Executor
     split: ParamSplit
     head_executor: Executor | None = None  # head-only work on the body's features (None: as any other work)
-    server_state: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
     step_cap: int | None = None  # at most this many steps a phase (an executor trial: the speed, not the result)
@@ -112,6 +114,10 @@ class Cohort:
     """The clients sampled in a round, or one chunk of them: the engine hands an algorithm the round's cohort
     `cohort_clients` ([R] ids, every chunk) chunk by chunk, as K `clients` at a time.
 
+    In a batch of trials (engine/trials.py) a chunk's rows may belong to several trials (rows trial after trial; a
+    trial's rows, the round's cohort in order): `clients` repeats, and each row has its trial's values
+    (`params`, `value`) and global model (`shared` is then one per row).
+
     Shapes: everything per client is per client of this chunk, [K, ...] in the order of `clients`, except where
     a name says the whole cohort ([R], in the order of `cohort_clients`: a per-client `steps` tensor for `sgd` or
     `gradient`, since the round's batch plan is drawn once for the whole cohort) or the federation ([n_clients],
@@ -122,19 +128,26 @@ class Cohort:
     `constants`, each client's per-client constants [K, ...] (Algorithm.constants: buffers of the model each client
     has its own value of; its forward sees them in `params`, in training and evaluation, and no local step changes
     them; set it to keep new ones); and `state`, the algorithm's per-client state [K, ...] (Algorithm.client_state;
-    set it to keep a new one). Read only: `clients` (ids of this chunk), `rows` (their rows in the whole cohort),
-    `shared` (the broadcast global model, no client dimension), `personal_init` (the stage's starting personal
-    values, for stateless variants and L2 pulls), `weights` (the clients' train sample counts), `server_state` (the
-    server's state as the round started), and the properties below. `sgd` and `gradient` run the engine's local
-    work.
+    set it to keep a new one). Read only: `clients` (ids of this chunk), `rows` (their rows in the whole cohort: a
+    slice, or in a batch of trials an index), `shared` (the broadcast global model, no client dimension; in a chunk
+    of several trials one per row, `shared_per_row`; `broadcast` is always [K, ...]), `personal_init` (the stage's
+    starting personal values, for stateless variants and L2 pulls; one per row where `shared_per_row`), `weights`
+    (the clients' train sample counts), `server_state` (the server's state as the round started), `params` and
+    `value(key)` (the hyperparameters of each row), and the properties below. `sgd` and `gradient` run the engine's
+    local work.
     """
 
-    def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice, cohort_clients: torch.Tensor,
-                 shared: Tensors, personal: Tensors, personal_init: Tensors, state: Tensors | None = None):
+    def __init__(self, work: RoundWork, clients: torch.Tensor, rows: slice | torch.Tensor, cohort_clients: torch.Tensor,
+                 shared: Tensors, personal: Tensors, personal_init: Tensors, state: Tensors | None = None,
+                 values: RowValues | None = None, shared_per_row: bool = False):
         """`personal` and `personal_init`: the clients' own values, personal parameters and constants together (as
-        the personal bank keeps them)."""
+        the personal bank keeps them); `values`: the rows' hyperparameters (default: the work's local block, no
+        params, no server state); `shared_per_row`: `shared` and `personal_init` hold one row per client (rows of
+        several trials)."""
         self.work, self.clients, self.rows, self.cohort_clients = work, clients, rows, cohort_clients
-        self.shared, self.personal_init = shared, personal_init
+        self.shared, self.personal_init, self.shared_per_row = shared, personal_init, shared_per_row
+        self.values = values or RowValues([(TrialValues(work.local, AlgorithmParams(), {}), len(clients))],
+                                          work.x.device)
         self.personal = {n: v for n, v in personal.items() if n not in work.constants}
         self.constants = {n: v for n, v in personal.items() if n in work.constants}
         self.state = state or {}
@@ -144,6 +157,16 @@ class Cohort:
 
     def __len__(self) -> int:
         return len(self.clients)
+
+    def part(self, rows: slice, work: RoundWork) -> Cohort:
+        """The chunk's `rows` as a cohort of their own on `work`, on copies of their own values and state."""
+        index = self.rows[rows] if torch.is_tensor(self.rows) else slice(self.rows.start + rows.start,
+                                                                         self.rows.start + rows.stop)
+        own_rows = (lambda values: {n: v[rows] for n, v in values.items()}) if self.shared_per_row else (
+            lambda values: values)
+        return Cohort(work, self.clients[rows], index, self.cohort_clients, own_rows(self.shared),
+                      {n: v[rows].clone() for n, v in self.own.items()}, own_rows(self.personal_init),
+                      {n: v[rows].clone() for n, v in self.state.items()}, self.values.rows(rows), self.shared_per_row)
 
     @property
     def round_key(self) -> tuple[int, int, int]:
@@ -173,8 +196,22 @@ class Cohort:
 
     @property
     def local(self) -> LocalConfig:
-        """The stage's `local` block (epochs or steps, batch size, lr, schedule, clipping, weight decay)."""
-        return self.work.local
+        """The stage's `local` block (epochs or steps, batch size, lr, schedule, clipping, weight decay); in a chunk
+        of trials that differ in a field, that field is read per row: `value("local.<field>")`."""
+        return self.values.local
+
+    @property
+    def params(self) -> Any:
+        """The algorithm's hyperparameters as these rows have them: its `params` (outside a batch of trials), or a view
+        whose attribute is a number where every row has the same value and one per row [K] where this chunk's
+        trials differ (shape it with `per_client`). An algorithm that batches trials reads through it what a
+        search may vary (`Tunable.batchable`)."""
+        return self.values.params
+
+    def value(self, key: str) -> Any:
+        """The stage key `key` (`local.lr`, `params.lr_v`, ...) for these rows: a number (or None) where every row has
+        the same, else one per row [K] (float32)."""
+        return self.values.value(key)
 
     @property
     def lr_factor(self) -> float:
@@ -184,7 +221,7 @@ class Cohort:
     @property
     def server_state(self) -> Mapping[str, Any]:
         """The server's state (Algorithm.server_state, then each round's aggregate result) as this round started."""
-        return MappingProxyType(dict(self.work.server_state))
+        return MappingProxyType(dict(self.values.server_state))
 
     @property
     def total_train_samples(self) -> int:
@@ -192,14 +229,22 @@ class Cohort:
         return int(self.work.sizes.sum())
 
     @property
+    def broadcast(self) -> Tensors:
+        """Each row's global model [K, ...]: `shared` expanded (no copy), or one per row in a chunk of trials."""
+        if self.shared_per_row:
+            return self.shared
+        return {n: v.expand(len(self), *v.shape) for n, v in self.shared.items()}
+
+    @property
     def own(self) -> Tensors:
         """The clients' own values the personal bank keeps: personal parameters and constants [K, ...]."""
         return {**self.personal, **self.constants}
 
-    def per_client(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def per_client(self, values: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float:
         """`values`, one per client of this chunk [K], shaped [K, 1, ...] to broadcast against `like` [K, ...], on
-        its device and, for floating-point values, in its dtype (a mask stays boolean, counts integer)."""
-        if values.shape != (len(self),):
+        its device and, for floating-point values, in its dtype (a mask stays boolean, counts integer); a number as it
+        is (a hyperparameter from `params` or `value`: one number, or one per row)."""
+        if torch.is_tensor(values) and values.shape != (len(self),):
             raise ValueError(f"cohort.per_client: expected one value per client of this chunk, shape ({len(self)},), "
                              f"got {tuple(values.shape)}; for a whole-cohort tensor take cohort.chunk_of(values)")
         return per_client(values, like)
@@ -231,10 +276,11 @@ class Cohort:
 
         `steps` may be a tensor, one count per client of the whole cohort [R] (see the class docstring).
         `shared` optionally replaces the broadcast with per-client shared parameters [K, ...] (stale models).
+        Defaults, lr and budget, are as for `sgd`.
         """
         plan = self._plan(epochs, None if epochs else steps)
-        per_client_shared = shared is not None
-        params, frozen, fixed = self._assign(part, shared if per_client_shared else self.shared, per_client_shared)
+        per_client_shared = shared is not None or self.shared_per_row
+        params, frozen, fixed = self._assign(part, self.shared if shared is None else shared, per_client_shared)
         work = self.work
         with precision_context(work.precision, work.x.device):
             return work.executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
@@ -270,8 +316,8 @@ class Cohort:
         if epochs is None and steps is None:
             epochs, steps = local.epochs, local.steps
         plan = self._plan(epochs, steps)
-        per_client_shared = shared is not None
-        shared = shared if per_client_shared else self.shared
+        per_client_shared = shared is not None or self.shared_per_row
+        shared = self.shared if shared is None else shared
         trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
         rule = self._rule(trainable, lr, prox, reference)
         with precision_context(self.work.precision, self.work.x.device):
@@ -307,17 +353,19 @@ class Cohort:
                 {n: v for n, v in fixed.items() if n not in trainable})
 
     def _rule(self, trainable: Tensors, lr: Any, prox: float | torch.Tensor, reference: Tensors | None) -> StepRule:
-        local = self.work.local
+        base = self.value("local.lr")
         if lr is None or not isinstance(lr, dict):
-            rates = dict.fromkeys(trainable, self._per_row(local.lr if lr is None else lr, "lr"))
+            rates = dict.fromkeys(trainable, self._per_row(base if lr is None else lr, "lr"))
         else:
-            parts = {part: self._per_row(local.lr if lr.get(part) is None else lr[part], f"lr[{part!r}]")
+            parts = {part: self._per_row(base if lr.get(part) is None else lr[part], f"lr[{part!r}]")
                      for part in ("personal", "shared")}
             rates = {n: parts["personal" if n in self.personal else "shared"] for n in trainable}
         rates = {n: r * self.work.lr_factor for n, r in rates.items()}
         prox = self._per_row(prox, "prox")
         ref = {n: reference[n] for n in trainable} if torch.is_tensor(prox) or prox else {}
-        return StepRule(rates, local.clip_norm, local.weight_decay, prox, ref)
+        clip = self.value("local.clip_norm")
+        return StepRule(rates, clip if clip is None else self._per_row(clip, "local.clip_norm"),
+                        self._per_row(self.value("local.weight_decay"), "local.weight_decay"), prox, ref)
 
     def _per_row(self, value: float | torch.Tensor, name: str) -> float | torch.Tensor:
         """A step's value as the rule takes it: a number, or one value per client of this chunk [K] (float32 on the
@@ -348,38 +396,29 @@ class Cohort:
 
 
 @dataclass
-class Trial:
-    """The local work of the first chunk of a round's cohort (`chunk`), on copies of its clients' bank rows (what it
-    computes is thrown away): `trial(executors, steps, clients, per_chunk)` runs the chunk's first `clients` (None:
-    all), `per_chunk` at a time as the rounds would (None: at once), `steps` steps a phase
-    (engine.accel.choice.Trial)."""
+class TimingRun:
+    """The local work of the first chunk of a round's rows (`first`), on copies of their rows (what it computes is
+    thrown away): `run(executors, steps, clients, per_chunk)` runs its first `clients` rows (None: all), `per_chunk` at
+    a time as the rounds would (None: at once), `steps` steps a phase (engine.accel.choice.TimingRun)."""
 
     algorithm: Algorithm
-    work: RoundWork
-    chunk: torch.Tensor
-    shared: Tensors
-    start: Tensors
-    personal: Tensors
-    state: Tensors
+    first: Cohort
 
     @property
     def clients(self) -> int:
-        return len(self.chunk)
+        return len(self.first)
 
     @property
     def client_bytes(self) -> int:
         """What a chunk holds of each of its clients: its shared parameters (trained, uploaded), its personal values
         and its state."""
-        rows = [*self.shared.values(), *self.start.values(), *(v[0] for v in self.state.values())]
+        first = self.first
+        rows = [v[0] for part in (first.broadcast, first.own, first.state) for v in part.values()]
         return sum(v.numel() * v.element_size() for v in rows)
 
     def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None,
                  per_chunk: int | None = None) -> None:
-        work = replace(self.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
+        work = replace(self.first.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
         count = self.clients if clients is None else clients
         for lo in range(0, count, per_chunk or count):
-            rows = slice(lo, min(lo + (per_chunk or count), count))
-            cohort = Cohort(work, self.chunk[rows], rows, self.chunk, self.shared,
-                            {n: v[rows].clone() for n, v in self.personal.items()}, self.start,
-                            {n: v[rows].clone() for n, v in self.state.items()})
-            self.algorithm.local_update(cohort)
+            self.algorithm.local_update(self.first.part(slice(lo, min(lo + (per_chunk or count), count)), work))

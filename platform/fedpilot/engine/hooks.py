@@ -28,6 +28,8 @@ class RoundResult:
     metrics: Mapping[str, float]  # training stats and round time, and the evaluation's summary when one was due
     shown: Mapping[str, float] = field(default_factory=dict)  # the latest loss and val score, for a progress display
     executor: str = ""  # the executor the round ran with
+    # a batch of trials (engine/trials.py): each trial still training's own result of the round, by trial index
+    trials: Mapping[int, RoundResult] = field(default_factory=dict)
 
     @classmethod
     def of(cls, trainer: Any, stage: Any) -> RoundResult:

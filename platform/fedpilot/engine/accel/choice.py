@@ -32,9 +32,9 @@ from fedpilot.engine.task import Task
 Executors = tuple[Executor, Executor | None]  # the executor of a stage's local work, and of its head-only work
 
 
-class Trial(Protocol):
+class TimingRun(Protocol):
     """The local work of a round's first chunk of clients, on copies of their rows (what it computes is thrown away):
-    `trial(executors, steps, clients, per_chunk)` runs the first `clients` of the chunk (None: all), `per_chunk` at a
+    `run(executors, steps, clients, per_chunk)` runs the first `clients` of the chunk (None: all), `per_chunk` at a
     time (None: at once), `steps` steps a phase."""
 
     clients: int  # the chunk's
@@ -89,8 +89,8 @@ class ExecutorChoice:
             self._built[key] = executor, kind(plain_forward, self.task) if kind and kind.uses_features else None
         return self._built[key]
 
-    def time(self, trial: Callable[[], Trial], device: torch.device) -> None:
-        """Time the candidates on the first TRIAL_STEPS steps of every local phase of `trial()`'s clients, after a
+    def time(self, timing_run: Callable[[], TimingRun], device: torch.device) -> None:
+        """Time the candidates on the first TRIAL_STEPS steps of every local phase of `timing_run()`'s clients, after a
         warm-up run of each on the first step (thrown away: nothing is written and the random state is restored),
         and keep the fastest for the stage, or a leaner one the fastest is not believably faster than
         (`timing.kept`). Executors that batch clients first measure how many a call takes
@@ -101,7 +101,7 @@ class ExecutorChoice:
         began = time.perf_counter()
         candidates = executor_candidates(self.model, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            runs = _Runs(self, trial(), device)
+            runs = _Runs(self, timing_run(), device)
             timed = self._measured(candidates, runs)
         release_freed_memory(device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         chosen = [(timed, self.clients_per_call, runs.per_chunk(timed.choice))]
@@ -152,7 +152,7 @@ class _Runs:
     """A trial's runs by candidate name, as `fastest` and `clients_per_call` take them, in the chunks the rounds would
     take under each candidate (`per_chunk`)."""
 
-    def __init__(self, choice: ExecutorChoice, trial: Trial, device: torch.device):
+    def __init__(self, choice: ExecutorChoice, trial: TimingRun, device: torch.device):
         self.choice, self.trial, self.device = choice, trial, device
         self.lean_chunk = max(1, int(MATERIAL_MEMORY * memory_in_use(device) // max(trial.client_bytes, 1)))
 

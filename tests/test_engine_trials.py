@@ -13,6 +13,8 @@ from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.hooks import RoundCallback
 from fedpilot.engine.trials import TrialBatch
 from fedpilot.testing import (
+    HEAD,
+    INPUT,
     TinyMLP,
     assert_close,
     assert_trials_match_alone,
@@ -75,6 +77,7 @@ def test_the_batch_under_auto_times_its_own_rows_and_each_trial_is_alone_on_its_
 
 @pytest.mark.parametrize(("algorithm", "personal", "values"), [
     ("fedavg", [], [{"local.lr": 0.05, "server.momentum": 0.5}, {"local.lr": 0.2, "server.momentum": 0.9}]),
+    ("fedalt", HEAD, [{"params.lr_v": 0.05, "params.lr_u": 0.1}, {"params.lr_v": 0.3, "params.lr_u": 0.05}]),
 ])
 def test_a_stop_in_the_middle_of_a_batch_resumes_every_trial_bit_identically(tmp_path, algorithm, personal, values):
     """A batch stopped after two of its four rounds (a checkpoint of each trial's model, banks as chains of changes,
@@ -160,6 +163,13 @@ def test_trials_differing_in_what_changes_the_work_do_not_batch():
     other = [built_stage("fedavg", [], None, {}, 4, None, TinyMLP, d) for d in (data, ToyData())]
     with pytest.raises(ValueError, match="differ in their federation"):
         TrialBatch(other)
+    tau = [built_stage("fedalt", HEAD, None, v, 4, None, TinyMLP, data) for v in ({"params.tau_v": 1},
+                                                                                    {"params.tau_v": 2})]
+    with pytest.raises(ValueError, match=r"differ in params.tau_v, which fedalt does not batch"):
+        TrialBatch(tau)
+    unset = [built_stage("fedalt", HEAD, None, v, 4, None, TinyMLP, data) for v in ({}, {"params.lr_v": 0.2})]
+    with pytest.raises(ValueError, match=r"differ in params.lr_v between numbers and values that are not"):
+        TrialBatch(unset)
 
 
 class Scaled(Algorithm):
@@ -196,3 +206,84 @@ def test_an_algorithm_that_does_not_batch_refuses_a_batch_and_one_that_reads_a_v
     batch.lead.executor_choice.pin("vmap")
     with pytest.raises(TypeError, match=r"params.scale differs between the trials of this batch.*cohort.params.scale"):
         fit(batch)
+
+
+class ScaledPerRow(Scaled):
+    """The plugin batching: its value read per row through the cohort (a number, or one per row), its update damped by
+    a factor of it, shaped by per_client."""
+
+    name = "scaled-per-row-test"
+    batches_trials = True
+    tunable = ScaledBatching.tunable
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        scale = cohort.params.scale
+        trained = cohort.sgd("shared", lr=0.1 * scale)
+        damp = scale / (1 + scale)
+        return Upload(shared={n: b + cohort.per_client(damp, b) * (trained.shared[n] - b)
+                              for n, b in cohort.broadcast.items()})
+
+
+def test_a_plugin_written_against_the_api_batches_by_reading_its_values_through_the_cohort():
+    assert_trials_match_alone(ScaledPerRow(), [{"params.scale": 0.5}, {"params.scale": 2.0}, {"params.scale": 1.0}],
+                              personal=[], executions=(("vmap", 5), ("loop", 4)))
+
+
+BATCHED = {  # every built-in that batches trials: its split, params and trials differing in what it batches
+    "fedalt": (INPUT, {"tau_v": 2, "tau_u": 3, "stateful": False},
+               [{"params.lr_v": 0.05, "params.lr_u": 0.1}, {"params.lr_v": 0.2, "params.lr_u": 0.05, "local.lr": 0.05},
+                {"params.lr_v": 0.1, "params.lr_u": 0.3, "server.lr": 0.5}]),
+    "fedsim": (HEAD, {}, [{"params.lr_v": 0.05, "params.lr_u": 0.1}, {"params.lr_v": 0.3, "params.lr_u": 0.05}]),
+    "fedper": (HEAD, {}, [{"params.lr_v": 0.05, "params.lr_u": 0.1}, {"params.lr_v": 0.3, "params.lr_u": 0.05}]),
+    "lg_fedavg": (INPUT, {}, [{"params.lr_v": 0.05, "params.lr_u": 0.1}, {"params.lr_v": 0.3, "params.lr_u": 0.05}]),
+    "fedrep": (HEAD, {"head_epochs": 2.0}, [{"params.lr_head": 0.05, "params.lr_body": 0.1},
+                                             {"params.lr_head": 0.3, "params.lr_body": 0.05}]),
+    "fedprox": ([], {}, [{"params.mu": 0.01, "local.lr": 0.05}, {"params.mu": 0.5, "local.lr": 0.2}]),
+    "ditto": (None, {"personal_steps": 2}, [{"params.lr_v": 0.05, "params.lam": 0.1},
+                                            {"params.lr_v": 0.2, "params.lam": 1.0, "local.lr": 0.05}]),
+    "pflego": (HEAD, {"tau": 3}, [{"params.rho": 0.1, "params.beta": 0.05}, {"params.rho": 0.5, "params.beta": 0.2}]),
+    "finetune": (HEAD, {}, [{"local.lr": 0.05}, {"local.lr": 0.2, "local.weight_decay": 0.01}]),
+    "local": (None, {}, [{"local.lr": 0.05}, {"local.lr": 0.2}]),
+    "perfedavg": ([], {"tau": 2}, [{"params.alpha": 0.01, "local.lr": 0.05}, {"params.alpha": 0.1, "local.lr": 0.2}]),
+    "ffgg": (HEAD, {"tau": 2}, [{"params.lr_w": 0.05, "server.lr": 0.5}, {"params.lr_w": 0.3, "server.lr": 1.0}]),
+    "ffgg_robust": (HEAD, {"tau": 2}, [{"params.lr_w": 0.05}, {"params.lr_w": 0.3}]),
+    "ffgg_local": (HEAD, {"tau": 2, "alt_steps": 2}, [{"params.lr_w": 0.05, "params.lr_theta": 0.1},
+                                                      {"params.lr_w": 0.3, "params.lr_theta": 0.02}]),
+    "pfedme": (None, {"local_rounds": 2, "inner_steps": 2}, [{"params.lam": 1.0, "params.lr_personal": 0.05},
+                                                             {"params.lam": 15.0, "params.lr_personal": 0.1,
+                                                              "local.lr": 0.2}]),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(BATCHED))
+def test_every_built_in_that_batches_trials_is_each_trial_alone(algorithm):
+    """Each built-in declaring batches_trials, its trials differing in every value it batches (its params' batchable
+    ones, the local lr, the server's), on the vmap and bmm executors, chunks spanning trials."""
+    personal, params, values = BATCHED[algorithm]
+    assert_trials_match_alone(algorithm, values, personal, params, executions=(("vmap", 5), ("bmm", 4)))
+
+
+@pytest.mark.parametrize(("execution", "chunk"), [("sequential", 4), ("loop", 3), ("vmap_autograd", 14)])
+def test_fedalt_trials_are_each_alone_on_every_executor(execution, chunk):
+    assert_trials_match_alone("fedalt", [{"params.lr_v": 0.05, "params.lr_u": 0.1, "local.weight_decay": 0.01},
+                                         {"params.lr_v": 0.3, "params.lr_u": 0.05, "local.weight_decay": 0.0}],
+                              HEAD, executions=((execution, chunk),))
+
+
+def test_the_built_ins_that_batch_trials_are_tested_and_listed_in_the_docs():
+    """Every built-in declaring batches_trials is in BATCHED above, and docs/algorithms.md's table says which batch
+    and which of their params may differ in a batch."""
+    from pathlib import Path
+
+    from fedpilot.algorithms import ALGORITHMS
+
+    batching = {name for name in ALGORITHMS.builtins if ALGORITHMS[name].batches_trials}
+    assert batching - {"fedavg"} == set(BATCHED)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    table = text[text.index("## Which algorithms train trials together"):].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(" `"): line for line in table.splitlines() if line.startswith("| `")}
+    for name in ALGORITHMS.builtins:
+        kind = ALGORITHMS[name]
+        assert rows[name].split("|")[2].strip() == ("yes" if kind.batches_trials else "no"), name
+        batched = [key for key in kind.tunable if key.startswith("params.") and kind.batchable(key)]
+        assert all(f"`{key}`" in rows[name] for key in batched), name

@@ -41,13 +41,15 @@ class Ditto(Algorithm):
     tunable = {"local.lr": step_size(), "params.lr_v": step_size("local.lr"),
                "params.lam": Tunable(1e-3, 10.0)}  # Pillutla et al. tune lambda over 1e-4..1
     personal_copy = True
+    batches_trials = True
 
     @property
     def personal_part(self) -> str | None:
         return "all"
 
     def local_update(self, cohort: Cohort) -> Upload:
+        params = cohort.params  # a batch of trials' rows: lr_v and lam per row
         global_update = cohort.sgd("shared")
-        cohort.personal = cohort.sgd("personal", lr=self.params.lr_v, steps=self.params.personal_steps,
-                                     prox=self.params.lam, reference=cohort.shared).personal
+        cohort.personal = cohort.sgd("personal", lr=params.lr_v, steps=params.personal_steps, prox=params.lam,
+                                     reference=cohort.shared).personal
         return Upload(shared=global_update.shared)

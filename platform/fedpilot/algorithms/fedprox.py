@@ -38,10 +38,11 @@ class FedProx(Algorithm):
     name = "fedprox"
     Params = FedProxParams
     tunable = {"local.lr": step_size(), "params.mu": Tunable(1e-3, 1.0)}  # FedProx's own grid: 1e-3..1
+    batches_trials = True
 
     @property
     def personal_part(self) -> str:
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        return Upload(shared=cohort.sgd("shared", prox=self.params.mu, reference=cohort.shared).shared)
+        return Upload(shared=cohort.sgd("shared", prox=cohort.params.mu, reference=cohort.shared).shared)

@@ -42,7 +42,9 @@ class FedRep(Algorithm):
     tunable = {"params.lr_head": step_size("local.lr"), "params.lr_body": step_size("local.lr"),
                "params.head_epochs": Tunable(1.0, 20.0, budget=True)}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = cohort.sgd("personal", lr=self.params.lr_head, epochs=self.params.head_epochs).personal
-        return Upload(shared=cohort.sgd("shared", lr=self.params.lr_body, epochs=self.params.body_epochs).shared)
+        params = cohort.params  # a batch of trials' rows: lr_head and lr_body per row
+        cohort.personal = cohort.sgd("personal", lr=params.lr_head, epochs=params.head_epochs).personal
+        return Upload(shared=cohort.sgd("shared", lr=params.lr_body, epochs=params.body_epochs).shared)

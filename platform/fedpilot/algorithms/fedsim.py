@@ -31,8 +31,10 @@ class FedSim(Algorithm):
     Params = FedSimParams
     tunable = {"params.lr_u": step_size("local.lr"), "params.lr_v": step_size("local.lr")}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        local = cohort.sgd("all", lr={"shared": self.params.lr_u, "personal": self.params.lr_v}, steps=self.params.tau)
+        params = cohort.params  # a batch of trials' rows: lr_v and lr_u per row
+        local = cohort.sgd("all", lr={"shared": params.lr_u, "personal": params.lr_v}, steps=params.tau)
         cohort.personal = local.personal
         return Upload(shared=local.shared)

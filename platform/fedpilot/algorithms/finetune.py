@@ -32,6 +32,7 @@ class Finetune(Algorithm):
     Params = FinetuneParams
     tunable = {"local.lr": step_size(), "params.prox": Tunable(choices=(0.0, 1e-3, 1e-2, 1e-1, 1.0))}
     visits_each_client_once = True
+    batches_trials = True
 
     @property
     def personal_part(self) -> str | None:
@@ -44,7 +45,7 @@ class Finetune(Algorithm):
 
     def local_update(self, cohort: Cohort) -> Upload:
         start = dict(cohort.personal)
-        cohort.personal = cohort.sgd("personal", prox=self.params.prox, reference=start).personal
+        cohort.personal = cohort.sgd("personal", prox=cohort.params.prox, reference=start).personal
         return Upload()
 
 

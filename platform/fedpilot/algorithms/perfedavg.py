@@ -39,18 +39,19 @@ class PerFedAvg(Algorithm):
     name = "perfedavg"
     Params = PerFedAvgParams
     tunable = {"local.lr": step_size(), "params.alpha": step_size()}
+    batches_trials = True
 
     @property
     def personal_part(self) -> str:
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        k = len(cohort)
-        w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
-        beta = cohort.local.lr * cohort.lr_factor
-        for _ in range(self.params.tau):
+        w = {n: v.clone() for n, v in cohort.broadcast.items()}
+        # a number, or one per row in a batch of trials (per_client shapes it against [K, ...])
+        alpha, beta = cohort.params.alpha, cohort.value("local.lr") * cohort.lr_factor
+        for _ in range(cohort.params.tau):
             first = cohort.gradient("shared", steps=1, shared=w)
-            temp = {n: v - self.params.alpha * first[n] for n, v in w.items()}
+            temp = {n: v - cohort.per_client(alpha, v) * first[n] for n, v in w.items()}
             meta = cohort.gradient("shared", steps=1, shared=temp)
-            w = {n: v - beta * meta[n] for n, v in w.items()}
-        return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))
+            w = {n: v - cohort.per_client(beta, v) * meta[n] for n, v in w.items()}
+        return Upload(shared=w, weight=torch.ones(len(cohort), device=cohort.weights.device))

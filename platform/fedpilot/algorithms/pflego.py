@@ -79,15 +79,17 @@ class Pflego(Algorithm):
     Params = PflegoParams
     tunable = {"params.rho": step_size(), "params.beta": step_size("local.lr")}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def aggregator(self) -> WeightedSum:
         return WeightedSum()
 
     def local_update(self, cohort: Cohort) -> Upload:
-        if self.params.tau > 1:
-            cohort.personal = cohort.sgd("personal", lr=self.params.beta, steps=self.params.tau - 1).personal
+        params = cohort.params  # a batch of trials' rows: beta and rho per row
+        if params.tau > 1:
+            cohort.personal = cohort.sgd("personal", lr=params.beta, steps=params.tau - 1).personal
         grads = cohort.gradient("all", steps=1)
-        step = self.params.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i
+        step = params.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i [K]
         cohort.personal = {n: v - cohort.per_client(step, v) * grads[n] for n, v in cohort.personal.items()}
         return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=step)
 

@@ -316,12 +316,13 @@ class Cohort:
         if epochs is None and steps is None:
             epochs, steps = local.epochs, local.steps
         plan = self._plan(epochs, steps)
+        trial_models = shared is None and self.shared_per_row  # each row its trial's global model
         per_client_shared = shared is not None or self.shared_per_row
         shared = self.shared if shared is None else shared
         trainable, frozen, fixed = self._assign(train, shared, per_client_shared)
         rule = self._rule(trainable, lr, prox, reference)
         with precision_context(self.work.precision, self.work.x.device):
-            trainable = self._run(trainable, frozen, fixed, plan, rule)
+            trainable = self._run(trainable, frozen, fixed, plan, rule, trial_models)
         k = len(self.clients)
         personal = {n: trainable[n] if train != "shared" and n in trainable else v for n, v in self.personal.items()}
         new_shared = {n: trainable[n] if train != "personal" and n in trainable else (
@@ -377,22 +378,38 @@ class Cohort:
                              f"({len(self)},); got {tuple(value.shape)}")
         return value.to(self.work.x.device, torch.float32)
 
-    def _run(self, trainable: Tensors, frozen: Tensors, fixed: Tensors, plan: BatchPlan, rule: StepRule) -> Tensors:
+    def _run(self, trainable: Tensors, frozen: Tensors, fixed: Tensors, plan: BatchPlan, rule: StepRule,
+             trial_models: bool = False) -> Tensors:
+        """The executor's steps; head-only work on the body's features where the body is one model, or one per trial
+        (`trial_models`: `frozen` is each row's trial's global model) and nothing else is frozen per client."""
         work = self.work
-        labels = work.y[plan.index]
-        weight = plan.weight.to(work.x.device)
-        if work.head_executor is not None and work.head_only(list(trainable)) and not frozen:
-            # the shared body once, then the heads' steps on its features
+        by_trial = trial_models and not self.constants
+        if work.head_executor is not None and work.head_only(list(trainable)) and (not frozen or by_trial):
+            # the shared body once (once a trial's rows in a chunk of several), then the heads' steps on its features
             executor, split = work.head_executor, work.split
-            with torch.no_grad():
-                inputs = self._batches(plan).inputs(slice(None), slice(None))
-                feats = functional_call(work.model.body, split.in_body(fixed), (inputs.flatten(0, 2),))
+            feats = self._features(self._batches(plan), frozen, fixed)
             index = torch.arange(len(feats), device=feats.device).view(plan.index.shape)
-            batches = Batches(feats, index, labels, weight, plan.active)
-            trained = executor.train(work.model.head, split.in_head(trainable), {}, split.in_head(fixed), batches,
-                                     rule.renamed(split.head), self.stats)
+            batches = Batches(feats, index, work.y[plan.index], plan.weight.to(work.x.device), plan.active)
+            trained = executor.train(work.model.head, split.in_head(trainable), split.in_head(frozen),
+                                     split.in_head(fixed), batches, rule.renamed(split.head), self.stats)
             return split.from_head(trained)
         return work.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
+
+    @torch.no_grad()
+    def _features(self, batches: Batches, frozen: Tensors, fixed: Tensors) -> torch.Tensor:
+        """The body's features of every planned sample, row after row, flat: the body's parameters are `fixed`, or
+        in a chunk of several trials each trial's, its first row's of `frozen` for its rows."""
+        body, split = self.work.model.body, self.work.split
+        if not frozen:
+            inputs = batches.inputs(slice(None), slice(None)).flatten(0, 2)
+            return functional_call(body, split.in_body(fixed), (inputs,))
+        feats, lo = [], 0
+        for _, count in self.values.parts:
+            own = {n: v[lo] for n, v in split.in_body(frozen).items()}
+            inputs = batches.inputs(slice(lo, lo + count), slice(None)).flatten(0, 2)
+            feats.append(functional_call(body, {**split.in_body(fixed), **own}, (inputs,)))
+            lo += count
+        return torch.cat(feats)
 
 
 @dataclass

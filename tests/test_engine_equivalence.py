@@ -150,7 +150,6 @@ def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_de
     from torch import nn
 
     from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapExecutor
-    from fedpilot.engine.cohort import plain_forward
     from fedpilot.engine.task import make_task
 
     class Unused(TinyMLP):
@@ -162,13 +161,13 @@ def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_de
     model, task = Unused(), make_task("classification")
     params = {n: p.detach() + 0.1 * torch.randn(3, *p.shape) for n, p in model.named_parameters()}
     x, y, w = torch.randn(3, 5, 16), torch.randint(0, 4, (3, 5)), torch.ones(3, 5)
-    vmapped, autograd = (e(plain_forward, task).step_grad(model)(params, {}, {}, x, y, w)
+    vmapped, autograd = (e(None, task).step_grad(model)(params, {}, {}, x, y, w)
                          for e in (VmapExecutor, VmapAutogradExecutor))
     for name in params:
         torch.testing.assert_close(autograd[0][name], vmapped[0][name])
     assert not autograd[0]["spare.weight"].any()
     for k in range(3):  # row k is client k's gradient alone
-        one = VmapExecutor(plain_forward, task).step_grad(model)({n: p[k : k + 1] for n, p in params.items()}, {}, {},
+        one = VmapExecutor(None, task).step_grad(model)({n: p[k : k + 1] for n, p in params.items()}, {}, {},
                                                            x[k : k + 1], y[k : k + 1], w[k : k + 1])
         torch.testing.assert_close(autograd[0]["body.1.weight"][k], one[0]["body.1.weight"][0])
     torch.testing.assert_close(autograd[1][0], vmapped[1][0])  # the clients' losses
@@ -212,7 +211,6 @@ def test_a_rule_of_per_row_values_is_each_rows_own_rule(execution):
     """Per-row lr, weight decay and pull in one call give each row what a call of that row alone with its values as
     numbers gives (the sequential reference takes them as numbers, client by client)."""
     from fedpilot.engine.accel.executors import EXECUTORS
-    from fedpilot.engine.cohort import plain_forward
     from fedpilot.engine.executor import Batches, StepRule, TrainStats
     from fedpilot.engine.task import make_task
 
@@ -225,7 +223,7 @@ def test_a_rule_of_per_row_values_is_each_rows_own_rule(execution):
     batches.labels = y[batches.index]
     values = {"lr": torch.tensor([0.05, 0.1, 0.2, 0.3]), "wd": torch.tensor([0.0, 0.01, 0.1, 0.02]),
               "prox": torch.tensor([0.5, 0.0, 1.0, 2.0])}
-    executor = EXECUTORS[execution](plain_forward, make_task("classification"))
+    executor = EXECUTORS[execution](None, make_task("classification"))
     rule = StepRule(dict.fromkeys(params, values["lr"]), 1.0, values["wd"], values["prox"], start)
     together = executor.train(model, params, {}, {}, batches, rule, TrainStats.zeros(k, x.device))
     for row in range(k):

@@ -16,7 +16,7 @@ from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.executor import (
     Batches,
-    Executor,
+    ExecutionPlan,
     Forward,
     Rate,
     StepRule,
@@ -41,20 +41,18 @@ __all__ = ["Cohort", "Forward", "Local", "Part", "RoundWork", "TimingRun", "plai
 
 @dataclass
 class RoundWork:
-    """Everything the engine fixes for one round, the same for every trial of a batch: data, model and how it is
-    applied, task, local work (its budget and batch size; the values a trial may have its own of are the cohort's
-    `values`), the lr schedule's factor, seeds, the executors the stage chose, the split."""
+    """Everything the engine fixes for one round, the same for every trial of a batch: data, model, task, local work
+    (its budget and batch size; the values a trial may have its own of are the cohort's `values`), the lr schedule's
+    factor, seeds, the execution plan the stage's executor choice gives (executors, forward, chunks), the split."""
 
     model: nn.Module
-    forward: Forward
     task: Task
     data: ClientData
     local: LocalConfig
     lr_factor: float
     seed_key: tuple[int, int, int]
-    executor: Executor
+    execution: ExecutionPlan  # the executors, the forward, the chunks: as the stage's executor choice decided
     split: ParamSplit
-    head_executor: Executor | None = None  # head-only work on the body's features (None: as any other work)
     precision: str = "32-true"
     plans: dict[tuple, BatchPlan] = field(default_factory=dict)
     step_cap: int | None = None  # at most this many steps a phase (an executor trial: the speed, not the result)
@@ -283,7 +281,7 @@ class Cohort:
         params, frozen, fixed = self._assign(part, self.shared if shared is None else shared, per_client_shared)
         work = self.work
         with precision_context(work.precision, work.x.device):
-            return work.executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
+            return work.execution.executor.gradients(work.model, params, frozen, fixed, self._batches(plan), self.stats)
 
     def _plan(self, epochs: float | None, steps: int | torch.Tensor | None) -> BatchPlan:
         """This chunk's rows of the next local phase's plan for the whole cohort."""
@@ -384,16 +382,17 @@ class Cohort:
         (`trial_models`: `frozen` is each row's trial's global model) and nothing else is frozen per client."""
         work = self.work
         by_trial = trial_models and not self.constants
-        if work.head_executor is not None and work.head_only(list(trainable)) and (not frozen or by_trial):
+        if work.execution.head is not None and work.head_only(list(trainable)) and (not frozen or by_trial):
             # the shared body once (once a trial's rows in a chunk of several), then the heads' steps on its features
-            executor, split = work.head_executor, work.split
+            executor, split = work.execution.head, work.split
             feats = self._features(self._batches(plan), frozen, fixed)
             index = torch.arange(len(feats), device=feats.device).view(plan.index.shape)
             batches = Batches(feats, index, work.y[plan.index], plan.weight.to(work.x.device), plan.active)
             trained = executor.train(work.model.head, split.in_head(trainable), split.in_head(frozen),
                                      split.in_head(fixed), batches, rule.renamed(split.head), self.stats)
             return split.from_head(trained)
-        return work.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule, self.stats)
+        return work.execution.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule,
+                                             self.stats)
 
     @torch.no_grad()
     def _features(self, batches: Batches, frozen: Tensors, fixed: Tensors) -> torch.Tensor:
@@ -415,8 +414,9 @@ class Cohort:
 @dataclass
 class TimingRun:
     """The local work of the first chunk of a round's rows (`first`), on copies of their rows (what it computes is
-    thrown away): `run(executors, steps, clients, per_chunk)` runs its first `clients` rows (None: all), `per_chunk` at
-    a time as the rounds would (None: at once), `steps` steps a phase (engine.accel.choice.TimingRun)."""
+    thrown away): `run(plan, steps, clients, per_chunk)` runs its first `clients` rows (None: all) under the execution
+    `plan`, `per_chunk` at a time as the rounds would (None: at once), `steps` steps a phase
+    (engine.accel.choice.TimingRun)."""
 
     algorithm: Algorithm
     first: Cohort
@@ -433,9 +433,9 @@ class TimingRun:
         rows = [v[0] for part in (first.broadcast, first.own, first.state) for v in part.values()]
         return sum(v.numel() * v.element_size() for v in rows)
 
-    def __call__(self, executors: tuple[Executor, Executor | None], steps: int, clients: int | None = None,
+    def __call__(self, plan: ExecutionPlan, steps: int, clients: int | None = None,
                  per_chunk: int | None = None) -> None:
-        work = replace(self.first.work, executor=executors[0], head_executor=executors[1], step_cap=steps)
+        work = replace(self.first.work, execution=plan, step_cap=steps)
         count = self.clients if clients is None else clients
         for lo in range(0, count, per_chunk or count):
             self.algorithm.local_update(self.first.part(slice(lo, min(lo + (per_chunk or count), count)), work))

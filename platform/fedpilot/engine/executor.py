@@ -28,14 +28,8 @@ Forward = Callable[[nn.Module, Tensors, torch.Tensor], torch.Tensor]
 
 
 def plain_forward(module: nn.Module, params: Tensors, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward with `params`: how the executors are told an algorithm's forward is the model's
-    own (Algorithm.models_forward)."""
+    """The module's own forward with `params`."""
     return functional_call(module, params, (x,))
-
-
-def models_own(forward: Forward) -> bool:
-    """Whether `forward` is the model's own (`plain_forward`): the executors may then run its layers their way."""
-    return forward is plain_forward
 
 
 Rate = float | torch.Tensor  # one value for every row, or one per row of the call [K] (a batch of trials' rows)
@@ -208,6 +202,9 @@ class Executor(ABC):
     features; `batched`, its forward passes run batched over clients (evaluation then vmaps the clients);
     `groups_clients`, its memory grows with the clients one call batches, at most `clients_per_call` of them (None:
     the whole chunk), a number the stage measures (`timing.clients_per_call`).
+
+    `forward` None: the model's own forward applies (`models_forward`; Algorithm.models_forward), which lets an
+    executor run the model's layers its own way; else the algorithm's, as written.
     """
 
     name: ClassVar[str]
@@ -215,8 +212,10 @@ class Executor(ABC):
     batched: ClassVar[bool] = False
     groups_clients: ClassVar[bool] = False
 
-    def __init__(self, forward: Forward, task: Task, clients_per_call: int | None = None):
-        self.forward, self.task, self.clients_per_call = forward, task, clients_per_call
+    def __init__(self, forward: Forward | None, task: Task, clients_per_call: int | None = None):
+        self.models_forward = forward is None
+        self.forward: Forward = plain_forward if forward is None else forward
+        self.task, self.clients_per_call = task, clients_per_call
 
     def clients_at_once(self, clients: int, device: torch.device) -> int:
         """How many of a chunk's `clients` it works on at once on `device`: a call's (at most `clients_per_call`)
@@ -238,10 +237,6 @@ class Executor(ABC):
         """Whether `module` holds a layer of `kind` (or of a subclass): what `supports` looks for."""
         return any(isinstance(m, kind) for m in module.modules())
 
-    def applying(self, forward: Forward) -> Executor:
-        """The same executor applying the model with `forward` (head steps on body features: the plain forward)."""
-        return type(self)(forward, self.task, self.clients_per_call)
-
     @abstractmethod
     def train(self, module: nn.Module, trainable: Tensors, frozen: Tensors, fixed: Tensors,
               batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
@@ -252,3 +247,20 @@ class Executor(ABC):
     def gradients(self, module: nn.Module, params: Tensors, frozen: Tensors, fixed: Tensors, batches: Batches,
                   stats: TrainStats) -> Tensors:
         """Each client's mean gradient over its active steps of the plan, at `params` (nothing is updated)."""
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How a stage's rounds run, as its executor choice decided (engine/accel/choice.py): the `executor` of its local
+    work and, for head-only work on the body's features, `head` (None: such work runs as any other); whether the
+    model's own forward applies (`models_forward`, else the algorithm's `forward`); the rows a chunk of a round takes
+    (`chunk`; None: the stage's `max_parallel_clients`); and how many trials' rows a round trains (`trials`: one, or a
+    batch's K, trial after trial). `RoundWork` holds it; a resumed stage rebuilds the same one from the choice's
+    checkpoint state."""
+
+    executor: Executor
+    head: Executor | None
+    forward: Forward
+    models_forward: bool
+    chunk: int | None = None
+    trials: int = 1

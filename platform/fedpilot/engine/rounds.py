@@ -133,10 +133,10 @@ def run_round(stages: Sequence[FederatedStage], round_idx: int, algorithm: Algor
     stats, or the Diverged error that stopped it (its parameters have no gradient: its server did not step)."""
     lead = stages[0]
     clients = lead.sample_cohort(round_idx).to(lead.device)
-    work = lead.round_work(round_idx, clients)
+    work = lead.round_work(round_idx, clients, trials=len(stages))
     parts = [stage.round_part(work, clients) for stage in stages]
     mine = process_rows(len(clients))
-    size = chunk or lead.executor_choice.clients_per_chunk or lead.config.max_parallel_clients
+    size = chunk or work.execution.chunk or lead.config.max_parallel_clients
     for cohort, pieces in chunks(parts, work, clients, mine, size):
         train_chunk(cohort, pieces, algorithm)
     results: list[dict[str, float] | Diverged] = []
@@ -154,7 +154,7 @@ def timing_run(stages: Sequence[FederatedStage], round_idx: int, algorithm: Algo
     `max_parallel_clients` of them), on copies of their rows."""
     lead = stages[0]
     clients = lead.sample_cohort(round_idx).to(lead.device)
-    work = lead.round_work(round_idx, clients)
+    work = lead.round_work(round_idx, clients, trials=len(stages))
     parts = [stage.round_part(work, clients) for stage in stages]
     first, _ = next(chunks(parts, work, clients, slice(0, len(clients)), lead.config.max_parallel_clients))
     return TimingRun(algorithm, first)

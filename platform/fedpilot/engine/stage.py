@@ -21,7 +21,7 @@ from fedpilot.engine.config import LocalConfig, ServerConfig, StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.ddp import check_splits_across_processes, distributed, share_round
 from fedpilot.engine.executor import Tensors
-from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds
+from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds, RoundStart
 from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import cohort_spread
 from fedpilot.engine.novel import NovelClients, beyond_participants
@@ -85,6 +85,15 @@ class FederatedStage(L.LightningModule):
     def execution(self) -> str:
         """The executor the stage runs (`auto` until its first round has chosen one)."""
         return self.executor_choice.name
+
+    def execution_record(self) -> dict[str, float]:
+        """What the stage records of its executor choice (`executor_*` metrics; none for a pinned executor)."""
+        return self.executor_choice.record()
+
+    @property
+    def upcoming(self) -> RoundStart:
+        """Its next round (RoundCallback.on_round_start): the first under `execution: auto` times the candidates."""
+        return RoundStart(self.global_step, self.executor_choice.pending)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(Rounds(), batch_size=None)
@@ -170,16 +179,16 @@ class FederatedStage(L.LightningModule):
         return {n: params[n].detach() for n in self.shared_names}
 
     def round_work(self, round_idx: int, clients: torch.Tensor, data: ClientData | None = None,
-                   local: LocalConfig | None = None, rounds: int | None = None) -> RoundWork:
-        """Round `round_idx`'s fixed parts for `clients`: the stage's model, executors and seed; by default its data
-        (on the host: `clients`' samples gathered to the device), its local work and its rounds' lr schedule."""
+                   local: LocalConfig | None = None, rounds: int | None = None, trials: int = 1) -> RoundWork:
+        """Round `round_idx`'s fixed parts for `clients` (of each of `trials` trials): the stage's model, execution
+        plan and seed; by default its data (on the host: `clients`' samples gathered to the device), its local work
+        and its rounds' lr schedule."""
         local, rounds = local or self.config.local, rounds or self.n_rounds
         if data is None:
             data = self.data if self.data_on_device else self.data.gather(clients, self.device)
-        executor, head_executor = self.executor_choice.executors(self.device)
-        return RoundWork(self.model, self.algorithm.forward, self.task, data, local,
-                         local.schedule.factor(round_idx, rounds), (self.seed, self.stage_index, round_idx), executor,
-                         self.split, head_executor, self.config.precision, constants=self.algorithm.constants)
+        return RoundWork(self.model, self.task, data, local, local.schedule.factor(round_idx, rounds),
+                         (self.seed, self.stage_index, round_idx), self.executor_choice.plan(self.device, trials),
+                         self.split, self.config.precision, constants=self.algorithm.constants)
 
     def trial_values(self, local: LocalConfig | None = None) -> TrialValues:
         """The values its clients train with: `local` (default: the stage's own block), the algorithm's params, the

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fedpilot.engine.aggregate import server_optimizer
-from fedpilot.engine.hooks import RoundResult, Rounds
+from fedpilot.engine.hooks import RoundResult, Rounds, RoundStart
 from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.rounds import begin_round, run_round
 from fedpilot.engine.stage import FederatedStage
@@ -63,6 +63,10 @@ class TrialBatch(L.LightningModule):
     @property
     def execution(self) -> str:
         return self.lead.execution
+
+    @property
+    def upcoming(self) -> RoundStart:
+        return RoundStart(self.global_step, self.lead.executor_choice.pending)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(Rounds(), batch_size=None)

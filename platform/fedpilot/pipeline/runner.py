@@ -282,7 +282,7 @@ class PipelineRunner:
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
-                     **stage.executor_choice.record()}
+                     **stage.execution_record()}
             self.tracker.set_tags(run_id, {"fedpilot.executor": stage.execution})  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedpilot.engine.aggregate import server_optimizer
+from fedpilot.engine.config import StageConfig
 from fedpilot.engine.hooks import RoundResult, Rounds, RoundStart
 from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.rounds import begin_round, run_round
@@ -59,6 +60,11 @@ class TrialBatch(L.LightningModule):
     @property
     def n_rounds(self) -> int:
         return self.lead.n_rounds
+
+    @property
+    def config(self) -> StageConfig:
+        """The settings its trials share (the lead's: rounds, evaluation, execution; not its values)."""
+        return self.lead.config
 
     @property
     def execution(self) -> str:
@@ -173,7 +179,7 @@ def check_batch(stages: Sequence[FederatedStage]) -> None:
                 "split": stage.personal_names == lead.personal_names and stage.shared_names == lead.shared_names,
                 "seed and stage": (stage.seed, stage.stage_index) == (lead.seed, lead.stage_index),
                 "task": stage.task.name == lead.task.name,
-                "evaluation beyond participants": (stage.novel is lead.novel and stage.select == lead.select)}
+                "evaluation beyond participants": _same_novel(stage.novel, lead.novel) and stage.select == lead.select}
         different = [what for what, equal in same.items() if not equal]
         if different:
             raise ValueError(f"the stages of a batch of trials differ in their {', '.join(different)}")
@@ -208,3 +214,9 @@ def _number(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(_number(v) for v in value)
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _same_novel(a: Any, b: Any) -> bool:
+    """The same held-out clients, adapted the same way (engine.novel.NovelClients), or none."""
+    return a is b or (a is not None and b is not None and a.data is b.data and (a.local, a.cohort) == (b.local,
+                                                                                                      b.cohort))

@@ -287,3 +287,38 @@ def test_the_built_ins_that_batch_trials_are_tested_and_listed_in_the_docs():
         assert rows[name].split("|")[2].strip() == ("yes" if kind.batches_trials else "no"), name
         batched = [key for key in kind.tunable if key.startswith("params.") and kind.batchable(key)]
         assert all(f"`{key}`" in rows[name] for key in batched), name
+
+
+def test_the_batched_first_step_takes_each_trials_rows_together(monkeypatch):
+    """loop_batched_first takes each trial's first step as one batch (its rows start from its global model): in the
+    rounds, whose chunks end where trials do (a loop gains nothing from rows of several trials), and in a call of
+    several trials' rows (the executor timing's first chunk), where it equals each trial's call alone."""
+    from fedpilot.engine.accel import loop, shared_start
+    from fedpilot.engine.executor import Batches, StepRule, TrainStats
+    from fedpilot.engine.task import make_task
+
+    calls = []
+    monkeypatch.setattr(loop, "first_step_grads", lambda *a: calls.append(a[6].shape[0]) or
+                        shared_start.first_step_grads(*a))
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1)
+    run_trials("fedavg", [], FEDAVG_TRIALS[:2], execution="loop_batched_first", chunk=10, local=local, model=TinyCNN,
+               data=ToyData(image=True))
+    assert calls[:2] == [7, 7]  # 14 rows in chunks of 10: each trial's 7 rows, each trial's first step at once
+    torch.manual_seed(0)
+    model, executor = TinyCNN(), loop.BatchedFirstStepExecutor(None, make_task("classification"))
+    models = [{n: p.detach() + 0.1 * torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
+    rows = {n: torch.cat([m[n].expand(3, *m[n].shape) for m in models]) for n in models[0]}  # 2 trials x 3 rows
+    x, y = torch.randn(30, 1, 4, 4), torch.randint(0, 4, (30,))
+    index = torch.randint(0, 30, (6, 2, 4))
+    batches = Batches(x, index, y[index], torch.ones(6, 2, 4), torch.ones(6, 2, dtype=torch.bool), trials=(3, 3),
+                      trial_models=frozenset(rows))
+    rule = StepRule(dict.fromkeys(rows, 0.1))
+    calls.clear()
+    together = executor.train(model, rows, {}, {}, batches, rule, TrainStats.zeros(6, x.device))
+    assert calls == [3, 3]
+    for t, m in enumerate(models):
+        mine = slice(3 * t, 3 * t + 3)
+        alone = executor.train(model, {n: v.expand(3, *v.shape) for n, v in m.items()}, {}, {},
+                               Batches(x, index[mine], y[index[mine]], torch.ones(3, 2, 4), batches.active[mine]),
+                               rule, TrainStats.zeros(3, x.device))
+        assert_close({n: v[mine] for n, v in together.items()}, alone)

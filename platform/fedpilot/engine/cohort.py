@@ -293,9 +293,13 @@ class Cohort:
         self._phase += 1
         return plan
 
-    def _batches(self, plan: BatchPlan) -> Batches:
+    def _batches(self, plan: BatchPlan, trial_models: bool = False) -> Batches:
+        """The plan's batches; with `trial_models` (each row's shared values are its trial's global model), the rows of
+        each trial and the names they share."""
+        trials = tuple(count for _, count in self.values.parts) if trial_models else None
         return Batches(self.work.x, plan.index, self.work.y[plan.index], plan.weight.to(self.work.x.device),
-                       plan.active, self.work.data.inputs, plan.augment)
+                       plan.active, self.work.data.inputs, plan.augment, trials,
+                       frozenset(self.shared) if trial_models else frozenset())
 
     def sgd(self, train: Part, lr: Rate | dict[str, Rate | None] | None = None, *, epochs: float | None = None,
             steps: int | torch.Tensor | None = None, shared: Tensors | None = None, prox: Rate = 0.0,
@@ -391,7 +395,7 @@ class Cohort:
             trained = executor.train(work.model.head, split.in_head(trainable), split.in_head(frozen),
                                      split.in_head(fixed), batches, rule.renamed(split.head), self.stats)
             return split.from_head(trained)
-        return work.execution.executor.train(work.model, trainable, frozen, fixed, self._batches(plan), rule,
+        return work.execution.executor.train(work.model, trainable, frozen, fixed, self._batches(plan, by_trial), rule,
                                              self.stats)
 
     @torch.no_grad()

@@ -148,7 +148,9 @@ def _as_is(rows: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Batches:
     """Steps' inputs are `prepare(source[index[rows, s]])`, augmented by the plan's `augment` parameters; labels and
-    0/1 weights are already laid out [K, S, B]."""
+    0/1 weights are already laid out [K, S, B]. In a chunk of several trials' rows, `trials` holds the rows of each
+    trial, in order, and `trial_models` the parameter names whose rows hold their trial's one value (its global
+    model): rows that start from the same weights (a batched first step takes them together)."""
 
     source: torch.Tensor
     index: torch.Tensor
@@ -157,6 +159,8 @@ class Batches:
     active: torch.Tensor
     prepare: Callable[[torch.Tensor], torch.Tensor] = _as_is
     augment: AugmentParams | None = None
+    trials: tuple[int, ...] | None = None
+    trial_models: frozenset[str] = frozenset()
 
     def inputs(self, rows: Any, steps: Any) -> torch.Tensor:
         """Model inputs of the planned samples [rows, steps] (each an int or a slice)."""

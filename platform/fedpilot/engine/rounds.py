@@ -58,17 +58,24 @@ class Piece:
 def chunks(parts: Sequence[TrialRound], work: RoundWork, clients: torch.Tensor, rows: slice,
            size: int) -> Iterator[tuple[Cohort, list[Piece]]]:
     """The `rows` of the cohort `clients` of every trial of `parts`, trial after trial, in chunks of `size` rows: each
-    chunk's cohort and its pieces."""
+    chunk's cohort and its pieces. A chunk spans trials only where the plan's executor batches its forward passes
+    over clients (the vmaps, bmm): elsewhere (the loops: a client at a time) it would gain nothing and cost a copy of
+    each row's global model, so chunks end where trials do."""
     count = rows.stop - rows.start
     total = len(parts) * count
-    for lo in range(0, total, size):
-        hi = min(lo + size, total)
-        pieces = []
-        for k in range(lo // count, (hi - 1) // count + 1):
-            first, last = max(lo, k * count) - k * count, min(hi, (k + 1) * count) - k * count
-            at = k * count + first - lo
-            pieces.append(Piece(parts[k], slice(rows.start + first, rows.start + last), slice(at, at + last - first)))
-        yield cohort_of(work, clients, pieces), pieces
+    ends = [total] if work.execution.executor.batched else [(k + 1) * count for k in range(len(parts))]
+    begin = 0
+    for end in ends:
+        for lo in range(begin, end, size):
+            hi = min(lo + size, end)
+            pieces = []
+            for k in range(lo // count, (hi - 1) // count + 1):
+                first, last = max(lo, k * count) - k * count, min(hi, (k + 1) * count) - k * count
+                at = k * count + first - lo
+                pieces.append(Piece(parts[k], slice(rows.start + first, rows.start + last),
+                                    slice(at, at + last - first)))
+            yield cohort_of(work, clients, pieces), pieces
+        begin = end
 
 
 def cohort_of(work: RoundWork, clients: torch.Tensor, pieces: list[Piece]) -> Cohort:

@@ -14,7 +14,7 @@ from fedpilot.engine.accel.linear_graph import NotBatched, layer_of, sgd_
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import client_threads, for_each_client
-from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
+from fedpilot.engine.accel.vmap import mean_of_steps
 from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
@@ -205,7 +205,7 @@ class BatchedFirstStepExecutor(LoopExecutor):
               batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         first = batches.active[:, 0]
         clients = {**trainable, **frozen}
-        same_weights = all(p.stride(0) == 0 for p in clients.values())
+        same_weights = all(p.stride(0) == 0 or n in batches.trial_models for n, p in clients.items())
         step = None
         if trainable and bool(first.any()) and batchable(module) and (same_weights or self.models_forward):
             keep_freed_memory(batches.source.device)
@@ -221,11 +221,13 @@ class BatchedFirstStepExecutor(LoopExecutor):
                    batches: Batches) -> tuple[Tensors, torch.Tensor, torch.Tensor] | None:
         """`first_step_grads` of every client, batched over `clients_per_call` clients at a time."""
         forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
-        count, groups = batches.index.shape[0], self.groups(batches.index.shape[0])
+        count, groups = batches.index.shape[0], self.first_groups(batches)
         grads: Tensors = {}
         losses, metrics = [], []
         for rows in groups:
-            part = first_step_grads(module, forward, self.task, client_rows(clients, rows), fixed, trainable,
+            mine = {n: v[rows][:1].expand_as(v[rows]) if n in batches.trial_models else v[rows]
+                    for n, v in clients.items()}  # a trial's rows start from its one model
+            part = first_step_grads(module, forward, self.task, mine, fixed, trainable,
                                     batches.inputs(rows, 0), batches.labels[rows, 0], batches.weight[rows, 0])
             if part is None or len(groups) == 1:
                 return part
@@ -234,3 +236,14 @@ class BatchedFirstStepExecutor(LoopExecutor):
             losses.append(part[1])
             metrics.append(part[2])
         return grads, torch.cat(losses), torch.cat(metrics)
+
+    def first_groups(self, batches: Batches) -> list[slice]:
+        """The rows the first step takes together: `clients_per_call` at a time, within each trial's rows."""
+        count = batches.index.shape[0]
+        if batches.trials is None:
+            return self.groups(count)
+        groups, lo = [], 0
+        for rows in batches.trials:
+            groups += [slice(lo + part.start, lo + part.stop) for part in self.groups(rows)]
+            lo += rows
+        return groups

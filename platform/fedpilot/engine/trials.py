@@ -24,6 +24,7 @@ from torch import nn
 
 from fedpilot.engine.aggregate import server_optimizer
 from fedpilot.engine.config import StageConfig
+from fedpilot.engine.ddp import distributed
 from fedpilot.engine.hooks import RoundResult, Rounds, RoundStart
 from fedpilot.engine.protocol import Algorithm
 from fedpilot.engine.rounds import begin_round, run_round
@@ -83,6 +84,8 @@ class TrialBatch(L.LightningModule):
         return server_optimizer([stage.server_group() for stage in self.trials])
 
     def setup(self, stage: str) -> None:
+        if distributed():
+            raise ValueError("a batch of trials trains in one process: run it with devices: 1")
         self.lead.setup(stage)
         for trial in self.trials[1:]:  # one copy of the federation's data for the batch
             trial.data, trial.data_on_device = self.lead.data, self.lead.data_on_device

@@ -399,7 +399,7 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
         gc.enable()
     assert code == 0, output
     assert held == [{"parameters": 0}] * (2 * (3 + 1) + 2 * 2), held  # 6 trials, 2 noise seeds, 4 runs
-    assert left == [{"PipelineRunner": 1}] * (2 * (3 + 1) + 2 * 2), left  # the run's own runner, nothing left to collect
+    assert left == [{"PipelineRunner": 1}] * (2 * (3 + 1) + 2 * 2), left  # its own runner, nothing left to collect
     assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == {"parameters": 0}
     assert plt.get_fignums() == []
 

@@ -150,7 +150,6 @@ def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_de
     from torch import nn
 
     from fedpilot.engine.accel.vmap import VmapAutogradExecutor, VmapExecutor
-    from fedpilot.engine.cohort import plain_forward
     from fedpilot.engine.task import make_task
 
     class Unused(TinyMLP):
@@ -162,13 +161,77 @@ def test_both_vmaps_give_each_client_its_own_gradient_and_zeros_where_nothing_de
     model, task = Unused(), make_task("classification")
     params = {n: p.detach() + 0.1 * torch.randn(3, *p.shape) for n, p in model.named_parameters()}
     x, y, w = torch.randn(3, 5, 16), torch.randint(0, 4, (3, 5)), torch.ones(3, 5)
-    vmapped, autograd = (e(plain_forward, task).step_grad(model)(params, {}, {}, x, y, w)
+    vmapped, autograd = (e(None, task).step_grad(model)(params, {}, {}, x, y, w)
                          for e in (VmapExecutor, VmapAutogradExecutor))
     for name in params:
         torch.testing.assert_close(autograd[0][name], vmapped[0][name])
     assert not autograd[0]["spare.weight"].any()
     for k in range(3):  # row k is client k's gradient alone
-        one = VmapExecutor(plain_forward, task).step_grad(model)({n: p[k : k + 1] for n, p in params.items()}, {}, {},
+        one = VmapExecutor(None, task).step_grad(model)({n: p[k : k + 1] for n, p in params.items()}, {}, {},
                                                            x[k : k + 1], y[k : k + 1], w[k : k + 1])
         torch.testing.assert_close(autograd[0]["body.1.weight"][k], one[0]["body.1.weight"][0])
     torch.testing.assert_close(autograd[1][0], vmapped[1][0])  # the clients' losses
+
+
+class PerRowRates(Algorithm):
+    """Test algorithm: step sizes (and, with `pull`, the pull's weight) of one value per client, a function of its id
+    (any chunking gives a client the same): the personal part at its own rate, then the shared part at another."""
+
+    name = "per-row-rates-test"
+
+    def __init__(self, pull: bool = False):
+        super().__init__()
+        self.pull = pull
+
+    def local_update(self, cohort: Cohort) -> Upload:
+        rate = 0.05 + 0.02 * (cohort.clients % 5).float()
+        if cohort.personal:
+            cohort.personal = cohort.sgd("personal", lr=rate, steps=2).personal
+        pull = {"prox": 3 * rate, "reference": cohort.shared} if self.pull else {}
+        return Upload(shared=cohort.sgd("shared", lr={"shared": 2 * rate}, **pull).shared)
+
+
+@pytest.mark.parametrize(("personal", "pull"), [(HEAD, False), ([], False), (INPUT, True)])
+def test_per_row_step_sizes_match_sequential(personal, pull):
+    """lr (and the pull's weight) one per client, on every executor: the fused plain SGD of bmm and the loops,
+    the gradient step of the vmaps, the head-only steps on features; with a pull, clipping and weight decay."""
+    local = LocalConfig(epochs=1, batch_size=4, lr=0.1, **({"clip_norm": 1.0, "weight_decay": 0.01} if pull else {}))
+    assert_matches_sequential(PerRowRates(pull), personal, local=local)
+
+
+def test_per_row_step_sizes_of_convolutions_match_sequential():
+    """The loops and the batched first step (each client's first step from the broadcast, then its own rate)."""
+    assert_matches_sequential(PerRowRates(), [], local=LocalConfig(epochs=1, batch_size=4, lr=0.1), model=TinyCNN,
+                              data=ToyData(image=True), executions=(("vmap", 4), ("loop", 3), ("loop_channels_last", 4),
+                                                                     ("loop_batched_first", 7)))
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vmap", "vmap_autograd", "loop", "bmm"])
+def test_a_rule_of_per_row_values_is_each_rows_own_rule(execution):
+    """Per-row lr, weight decay and pull in one call give each row what a call of that row alone with its values as
+    numbers gives (the sequential reference takes them as numbers, client by client)."""
+    from fedpilot.engine.accel.executors import EXECUTORS
+    from fedpilot.engine.executor import Batches, StepRule, TrainStats
+    from fedpilot.engine.task import make_task
+
+    torch.manual_seed(0)
+    model, k = TinyMLP(), 4
+    params = {n: p.detach() + 0.1 * torch.randn(k, *p.shape) for n, p in model.named_parameters()}
+    start = {n: p.clone() for n, p in params.items()}
+    x, y = torch.randn(40, 16), torch.randint(0, 4, (40,))
+    batches = Batches(x, torch.randint(0, 40, (k, 3, 5)), None, torch.ones(k, 3, 5), torch.ones(k, 3, dtype=torch.bool))
+    batches.labels = y[batches.index]
+    values = {"lr": torch.tensor([0.05, 0.1, 0.2, 0.3]), "wd": torch.tensor([0.0, 0.01, 0.1, 0.02]),
+              "prox": torch.tensor([0.5, 0.0, 1.0, 2.0])}
+    executor = EXECUTORS[execution](None, make_task("classification"))
+    rule = StepRule(dict.fromkeys(params, values["lr"]), 1.0, values["wd"], values["prox"], start)
+    together = executor.train(model, params, {}, {}, batches, rule, TrainStats.zeros(k, x.device))
+    for row in range(k):
+        alone = Batches(x, batches.index[row : row + 1], batches.labels[row : row + 1], batches.weight[row : row + 1],
+                        batches.active[row : row + 1])
+        own = StepRule(dict.fromkeys(params, float(values["lr"][row])), 1.0, float(values["wd"][row]),
+                       float(values["prox"][row]), {n: v[row : row + 1] for n, v in start.items()})
+        mine = executor.train(model, {n: p[row : row + 1] for n, p in params.items()}, {}, {}, alone, own,
+                              TrainStats.zeros(1, x.device))
+        for name in params:
+            torch.testing.assert_close(together[name][row], mine[name][0], atol=2e-6, rtol=1e-5, msg=name)

@@ -89,8 +89,8 @@ def test_auto_rounds_in_folded_chunks_match_sequential(name, lean):
     stage, _ = algorithm_stage(name, "auto")
     fit(stage)
     reducible = isinstance(stage.algorithm.aggregator(), ReducibleAggregator)
-    executor = stage.executor_choice.executors(torch.device("cpu"))[0]
-    folded = stage.executor_choice.clients_per_chunk
+    plan = stage.executor_choice.plan(torch.device("cpu"))
+    executor, folded = plan.executor, plan.chunk
     assert folded == (executor.clients_at_once(7, torch.device("cpu")) if reducible else None)
     assert_close(ended(stage, names), ended(reference, names))
 

@@ -15,7 +15,6 @@ from fedpilot.engine.accel import loop as engine_local
 from fedpilot.engine.accel.bmm import BmmExecutor
 from fedpilot.engine.accel.linear_graph import Tape, linear_graph
 from fedpilot.engine.accel.vmap import VmapAutogradExecutor
-from fedpilot.engine.cohort import plain_forward
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.executor import StepRule
 from fedpilot.engine.task import CLASSIFICATION, NextToken, Regression, Task, make_task
@@ -150,12 +149,12 @@ def test_a_model_it_cannot_batch_is_stepped_like_vmap(model):
     assert linear_graph(net) is not None  # traced: only a pass shows the layout
     params = {n: p.detach() + 0.1 * torch.randn(3, *p.shape) for n, p in net.named_parameters()}
     x, y, w = torch.randn(3, 5, 16), torch.randint(0, 4, (3, 5)), torch.ones(3, 5)
-    want = VmapAutogradExecutor(plain_forward, task).step_grad(net)(params, {}, {}, x, y, w)
-    got = BmmExecutor(plain_forward, task).step_grad(net)(params, {}, {}, x, y, w)
+    want = VmapAutogradExecutor(None, task).step_grad(net)(params, {}, {}, x, y, w)
+    got = BmmExecutor(None, task).step_grad(net)(params, {}, {}, x, y, w)
     for name in params:
         torch.testing.assert_close(got[0][name], want[0][name])
     stepped = {n: p.clone() for n, p in params.items()}
-    BmmExecutor(plain_forward, task).stepper(net, StepRule(dict.fromkeys(params, 0.1)))(
+    BmmExecutor(None, task).stepper(net, StepRule(dict.fromkeys(params, 0.1)))(
         stepped, {}, {}, x, y, w, torch.ones(3, dtype=torch.bool))
     for name in params:
         torch.testing.assert_close(stepped[name], params[name] - 0.1 * want[0][name])
@@ -178,8 +177,8 @@ def test_per_client_frozen_and_shared_layers_and_an_unused_one():
                                                                                   [0.0] * 5])
     for fixed in ({}, {"head.bias": per_client["head.bias"][0]}):
         mine = {n: v for n, v in frozen.items() if n not in fixed}
-        want = VmapAutogradExecutor(plain_forward, task).step_grad(model)(trainable, mine, fixed, x, y, w)
-        got = BmmExecutor(plain_forward, task).step_grad(model)(trainable, mine, fixed, x, y, w)
+        want = VmapAutogradExecutor(None, task).step_grad(model)(trainable, mine, fixed, x, y, w)
+        got = BmmExecutor(None, task).step_grad(model)(trainable, mine, fixed, x, y, w)
         for name in trainable:
             torch.testing.assert_close(got[0][name], want[0][name])
         torch.testing.assert_close(got[1][0], want[1][0])

@@ -206,7 +206,7 @@ def _first_steps(model: nn.Module, executor: type, start: dict[str, torch.Tensor
     batches = Batches(x, index, y, torch.ones(clients, steps, batch), torch.ones(clients, steps, dtype=torch.bool))
     stats = TrainStats.zeros(clients, x.device)
     with precision_context(precision, x.device):
-        trained = executor(plain_forward, CLASSIFICATION).train(model, start, {}, {}, batches,
+        trained = executor(None, CLASSIFICATION).train(model, start, {}, {}, batches,
                                                                 StepRule(dict.fromkeys(start, 0.1)), stats)
     return trained, stats
 

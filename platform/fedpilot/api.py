@@ -16,6 +16,14 @@ public test helpers).
   state's). `cohort.chunk_of(values)` takes the chunk's rows of a whole-cohort tensor; `cohort.per_client(values,
   like)` (and `per_client` for formula code) shapes a [K] tensor to broadcast against [K, ...] ones; a `steps`
   tensor or an argument of these two of the wrong length is an error that says which length is expected;
+- trials trained together (engine/trials.py): a search's trials that differ only in numbers used in arithmetic can
+  train as one batch, its chunks' rows belonging to several trials. An algorithm that reads its hyperparameters
+  through the cohort, `cohort.params.<name>` and `cohort.value("local.lr")` (a number, or one per row [K] where the
+  chunk's trials differ: `per_client` shapes either against [K, ...]), and reads no `server_state`, says so with
+  `batches_trials = True`; its `tunable` declares which params may differ in a batch (`Tunable.batchable`: by default
+  a float range that is not a budget). Read as one number from `self.params` inside a batch, a value that differs is
+  an error naming where to read it. `cohort.shared` is then one global model per row (`cohort.broadcast` is [K, ...]
+  always); an algorithm without the flag runs its trials one at a time;
 - per-client constants (`Algorithm.constants`): buffers of the model (registered by the algorithm's
   `prepare_model`) each client holds its own value of, set through `cohort.constants`; the algorithm's `forward`
   sees a client's values in `params` in training and evaluation, no local step changes them, and a client that

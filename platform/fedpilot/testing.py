@@ -2,10 +2,13 @@
 
 - `assert_matches_sequential(algorithm)`: the vectorized executor (several chunk sizes) and the per-client loop give
   the parameters the plain sequential executor gives (eager PyTorch, one client at a time), on the same batches;
+- `assert_trials_match_alone(algorithm, values)`: trials that differ in the stage keys `values`, trained as one batch
+  (engine.trials), end where each trial alone ends: the algorithm batches trials (`batches_trials`);
 - `assert_learns(algorithm)`: a stage from scratch on scikit-learn's digits reaches a mean per-client test accuracy
   far above chance;
 - `check_pipeline(path)`: every check `fedpilot validate` makes (with the installed plugins), the resolved spec;
-- the pieces they are made of: `ToyData`, `TinyMLP`, `TinyCNN`, `stage_for`, `fit`, `run_stage`, `assert_close`.
+- the pieces they are made of: `ToyData`, `TinyMLP`, `TinyCNN`, `stage_for`, `fit`, `run_stage`, `run_trials`,
+  `assert_close`.
 
 Names here are stable like those of fedpilot.api.
 """
@@ -27,6 +30,7 @@ from fedpilot.api import Algorithm, LocalConfig, Tensors
 from fedpilot.engine.config import StageConfig
 from fedpilot.engine.data import ClientData
 from fedpilot.engine.stage import FederatedStage
+from fedpilot.engine.trials import TrialBatch
 from fedpilot.models.split import ParamSplit
 
 HEAD = ["head.weight", "head.bias"]  # TinyMLP's output layer
@@ -106,13 +110,13 @@ def accelerator(device: torch.device) -> dict[str, Any]:
     return {"accelerator": "cpu", "devices": 1}
 
 
-def fit(stage: FederatedStage, **trainer_kwargs) -> L.Trainer:
-    """Run a stage with a quiet Lightning Trainer (unless `trainer_kwargs` say otherwise) for its number of rounds, on
-    the device under test."""
-    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+def fit(stage: FederatedStage | TrialBatch, ckpt_path: str | None = None, **trainer_kwargs) -> L.Trainer:
+    """Run a stage (or a batch of trials) with a quiet Lightning Trainer (unless `trainer_kwargs` say otherwise,
+    `max_steps` too) for its number of rounds, on the device under test; `ckpt_path`: resumed from that checkpoint."""
+    quiet = {"max_steps": stage.n_rounds, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
              "enable_model_summary": False, **accelerator(device_under_test())}
-    trainer = L.Trainer(max_steps=stage.n_rounds, **{**quiet, **trainer_kwargs})
-    trainer.fit(stage)
+    trainer = L.Trainer(**{**quiet, **trainer_kwargs})
+    trainer.fit(stage, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -124,6 +128,17 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     of `chunk` clients (an executor that batches clients taking `per_call` of them a call), under `precision`.
     `algorithm`: an instance (copied: each run starts afresh), or a registered name built with `params`; `personal`: the
     personal parameter names (None: all); `model`: a zero-argument factory of a fresh model for `data`."""
+    stage = built_stage(algorithm, personal, params, {}, chunk, local, model, data or ToyData(), precision)
+    stage.executor_choice.pin(execution, per_call)
+    fit(stage)
+    return stage_result(stage, personal)
+
+
+def built_stage(algorithm: Algorithm | str, personal: list[str] | None, params: dict[str, Any] | None,
+                values: dict[str, Any], chunk: int, local: LocalConfig | None, model: Callable[[], nn.Module],
+                data: ClientData, precision: str = "32-true") -> FederatedStage:
+    """The stage `run_stage` runs, with the stage keys in `values` (a trial's: `local.lr`, `server.lr`,
+    `params.lr_v`, ...) set."""
     from fedpilot.algorithms import build_algorithm
 
     torch.manual_seed(0)
@@ -131,13 +146,59 @@ def run_stage(algorithm: Algorithm | str, personal: list[str] | None, params: di
     names = [n for n, _ in net.named_parameters()] if personal is None else personal
     config = StageConfig(rounds=4, clients_per_round=7, local=local or LocalConfig(batch_size=4, lr=0.1),
                          max_parallel_clients=chunk, eval_every=2, precision=precision)
-    built = build_algorithm(algorithm, params) if isinstance(algorithm, str) else copy.deepcopy(algorithm)
-    stage = stage_for(net, names, data or ToyData(), built, config, seed=3)
-    stage.executor_choice.pin(execution, per_call)
-    fit(stage)
-    shared = {n: p.detach().clone() for n, p in stage.model.named_parameters() if n not in names}
-    bank = {n: stage.bank.tensor(n).clone() for n in names}
-    return {n: v.cpu() for n, v in shared.items()}, {n: v.cpu() for n, v in bank.items()}
+    blocks = {block: {k.partition(".")[2]: v for k, v in values.items() if k.startswith(f"{block}.")}
+              for block in ("local", "server", "params")}
+    config = StageConfig.model_validate({**config.model_dump(), **{b: {**config.model_dump()[b], **blocks[b]}
+                                                                    for b in ("local", "server")}})
+    if isinstance(algorithm, str):
+        built = build_algorithm(algorithm, {**(params or {}), **blocks["params"]})
+    else:
+        built = copy.deepcopy(algorithm)
+        built.params = type(built.params).model_validate({**built.params.model_dump(), **blocks["params"]})
+    return stage_for(net, names, data, built, config, seed=3)
+
+
+def stage_result(stage: FederatedStage, own: list[str] | None = None) -> tuple[Tensors, Tensors]:
+    """A stage's (shared parameters, personal bank of `own`: default its personal parameters), on the CPU."""
+    names = stage.personal_names if own is None else own
+    shared = {n: p.detach().cpu().clone() for n, p in stage.model.named_parameters() if n not in names}
+    return shared, {n: stage.bank.tensor(n).cpu().clone() for n in names}
+
+
+def run_trials(algorithm: Algorithm | str, personal: list[str] | None, values: list[dict[str, Any]],
+               params: dict[str, Any] | None = None, execution: str = "sequential", chunk: int = 1,
+               local: LocalConfig | None = None, model: Callable[[], nn.Module] = TinyMLP,
+               data: ClientData | None = None) -> tuple[TrialBatch, list[tuple[Tensors, Tensors]]]:
+    """The trials with the stage keys `values` (one dict a trial) of `run_stage`'s stage trained as one batch
+    (engine.trials.TrialBatch; chunks of `chunk` rows may span trials): the batch, and each trial's (shared
+    parameters, personal bank)."""
+    from fedpilot.engine.trials import TrialBatch
+
+    data = data or ToyData()
+    batch = TrialBatch([built_stage(algorithm, personal, params, v, chunk, local, model, data) for v in values])
+    batch.lead.executor_choice.pin(execution)
+    fit(batch)
+    return batch, [stage_result(stage) for stage in batch.trials]
+
+
+def assert_trials_match_alone(algorithm: Algorithm | str, values: list[dict[str, Any]],
+                              personal: list[str] | None = HEAD, params: dict[str, Any] | None = None,
+                              local: LocalConfig | None = None, model: Callable[[], nn.Module] = TinyMLP,
+                              data: ClientData | None = None,
+                              executions: tuple[tuple[str, int], ...] = (("vmap", 5), ("bmm", 4))) -> None:
+    """Trials that differ in the stage keys `values` (one dict a trial), trained as one batch with each of
+    `executions` ((executor, rows a chunk) pairs: chunks span trials), end where each trial run alone by the same
+    executor ends: the algorithm batches trials (Algorithm.batches_trials) reading each row's values."""
+    data = data or ToyData()
+    for execution, chunk in executions:
+        _, batched = run_trials(algorithm, personal, values, params, execution, chunk, local, model, data)
+        for trial, got in zip(values, batched, strict=True):
+            alone = built_stage(algorithm, personal, params, trial, chunk, local, model, data)
+            alone.executor_choice.pin(execution)
+            fit(alone)
+            expected = stage_result(alone)
+            assert_close(got[0], expected[0])
+            assert_close(got[1], expected[1])
 
 
 def assert_close(a: Tensors, b: Tensors) -> None:

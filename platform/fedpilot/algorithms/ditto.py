@@ -46,13 +46,15 @@ class Ditto(Algorithm):
                    "Pillutla et al., ICML 2022, App. B.3: lambda on {1e-4, ..., 1}, chosen 1e-3 and 1e-1; Chen et al., "
                    "ICML 2023, App. H: {0.05, 0.1, 0.5, 0.8}; fedpilot: up to 10, so that the grid's 1 is no edge"))}
     personal_copy = True
+    batches_trials = True
 
     @property
     def personal_part(self) -> str | None:
         return "all"
 
     def local_update(self, cohort: Cohort) -> Upload:
+        params = cohort.params  # a batch of trials' rows: lr_v and lam per row
         global_update = cohort.sgd("shared")
-        cohort.personal = cohort.sgd("personal", lr=self.params.lr_v, steps=self.params.personal_steps,
-                                     prox=self.params.lam, reference=cohort.shared).personal
+        cohort.personal = cohort.sgd("personal", lr=params.lr_v, steps=params.personal_steps, prox=params.lam,
+                                     reference=cohort.shared).personal
         return Upload(shared=global_update.shared)

@@ -43,7 +43,9 @@ class FedAlt(Algorithm):
     tunable = {"params.lr_u": replace(PERSONALIZED_CLIENT_LR, fallback="local.lr"),
                "params.lr_v": replace(PERSONALIZED_CLIENT_LR, fallback="local.lr")}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = cohort.sgd("personal", lr=self.params.lr_v, steps=self.params.tau_v).personal
-        return Upload(shared=cohort.sgd("shared", lr=self.params.lr_u, steps=self.params.tau_u).shared)
+        params = cohort.params  # a batch of trials' rows: lr_v and lr_u per row
+        cohort.personal = cohort.sgd("personal", lr=params.lr_v, steps=params.tau_v).personal
+        return Upload(shared=cohort.sgd("shared", lr=params.lr_u, steps=params.tau_u).shared)

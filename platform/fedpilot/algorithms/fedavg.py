@@ -18,6 +18,7 @@ class FedAvg(Algorithm):
         "Pillutla et al., ICML 2022, Table 9: client lr 1e-2 to 1 in FedAvg pretraining (step a), 1e-3 to 1e-1 after "
         "(step b); Chen et al., ICML 2023, App. H: grid 0.005-0.5; fedpilot: down to 1e-4 for the diabetes "
         "regression's 3e-4, up to 10 for the Shakespeare LSTM's clipped 2"))}
+    batches_trials = True  # its only value is the stage's local lr, which the engine applies per row
 
     @property
     def personal_part(self) -> str:

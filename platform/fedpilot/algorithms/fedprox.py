@@ -44,10 +44,11 @@ class FedProx(Algorithm):
                "params.mu": Tunable(1e-4, 10.0, source=(
                    "Li et al., MLSys 2020 (FedProx): their code's README tunes mu on {0.001, 0.01, 0.1, 0.5, 1}; "
                    "fedpilot: a decade beyond each end, so that no end of the grid is an edge"))}
+    batches_trials = True
 
     @property
     def personal_part(self) -> str:
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        return Upload(shared=cohort.sgd("shared", prox=self.params.mu, reference=cohort.shared).shared)
+        return Upload(shared=cohort.sgd("shared", prox=cohort.params.mu, reference=cohort.shared).shared)

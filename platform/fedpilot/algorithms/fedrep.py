@@ -48,7 +48,9 @@ class FedRep(Algorithm):
                    "Collins et al., ICML 2021 (FedRep), its experiments as recalled: 10 head epochs a round; "
                    "fedpilot: down to 0.2 for the matched budget's 0.5"))}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = cohort.sgd("personal", lr=self.params.lr_head, epochs=self.params.head_epochs).personal
-        return Upload(shared=cohort.sgd("shared", lr=self.params.lr_body, epochs=self.params.body_epochs).shared)
+        params = cohort.params  # a batch of trials' rows: lr_head and lr_body per row
+        cohort.personal = cohort.sgd("personal", lr=params.lr_head, epochs=params.head_epochs).personal
+        return Upload(shared=cohort.sgd("shared", lr=params.lr_body, epochs=params.body_epochs).shared)

@@ -32,8 +32,10 @@ class FedSim(Algorithm):
     Params = FedSimParams
     tunable = FedAlt.tunable  # the same step sizes in the same paper's pipeline
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        local = cohort.sgd("all", lr={"shared": self.params.lr_u, "personal": self.params.lr_v}, steps=self.params.tau)
+        params = cohort.params  # a batch of trials' rows: lr_v and lr_u per row
+        local = cohort.sgd("all", lr={"shared": params.lr_u, "personal": params.lr_v}, steps=params.tau)
         cohort.personal = local.personal
         return Upload(shared=local.shared)

@@ -147,11 +147,12 @@ class Ffgg(Stateless):
                "params.grad_epochs": Tunable(0.1, 2.0, budget=True, source=(
                    "Mishchenko et al. 2023 (FFGG), Algorithm 1, line 5: the full gradient, 1 pass; fedpilot: 0.1 to 2 "
                    "(the matched budget's 0.16-0.5)"))}
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        model = self.client_model(cohort)
-        cohort.personal = personal_steps(cohort, self.params.lr_w, self.params.tau, model)  # Algorithm 2
-        grad = cohort.gradient("shared", epochs=self.params.grad_epochs, shared=model)
+        model, params = self.client_model(cohort), cohort.params  # a batch of trials' rows: lr_w per row
+        cohort.personal = personal_steps(cohort, params.lr_w, params.tau, model)  # Algorithm 2
+        grad = cohort.gradient("shared", epochs=params.grad_epochs, shared=model)
         return Upload(grad=grad, weight=torch.ones_like(cohort.weights))
 
     def client_model(self, cohort: Cohort) -> Tensors | None:
@@ -159,7 +160,7 @@ class Ffgg(Stateless):
         return None
 
 
-def personal_steps(cohort: Cohort, lr: float | None, steps: int | torch.Tensor | None,
+def personal_steps(cohort: Cohort, lr: float | torch.Tensor | None, steps: int | torch.Tensor | None,
                    model: Tensors | None = None) -> Tensors:
     """SGD steps on w (null: the local block) with theta fixed, at `model` if given. Without a personal part there
     is nothing to tune: FFGG is then distributed gradient descent and Local FFGG is FedAvg (paper, Sec. 2)."""
@@ -174,15 +175,17 @@ class LocalFfgg(Stateless):
     name = "ffgg_local"
     Params = LocalFfggParams
     tunable = {"params.lr_w": CLIENT_LR, "params.lr_theta": CLIENT_LR}
+    batches_trials = True
 
     def local_update(self, cohort: Cohort) -> Upload:
-        cohort.personal = personal_steps(cohort, self.params.lr_w, self.params.tau)  # Algorithm 2
-        budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), self.params.alt_steps)
+        params = cohort.params  # a batch of trials' rows: lr_w and lr_theta per row
+        cohort.personal = personal_steps(cohort, params.lr_w, params.tau)  # Algorithm 2
+        budget = alternations(cohort.local, cohort.train_samples(cohort.cohort_clients).cpu(), params.alt_steps)
         theta = None
         for k in range(int(budget.max())):
             active = (budget > k).long()
-            cohort.personal = personal_steps(cohort, self.params.lr_w, active, theta)
-            theta = cohort.sgd("shared", lr=self.params.lr_theta, steps=active, shared=theta).shared
+            cohort.personal = personal_steps(cohort, params.lr_w, active, theta)
+            theta = cohort.sgd("shared", lr=params.lr_theta, steps=active, shared=theta).shared
         return Upload(shared=theta, weight=torch.ones_like(cohort.weights))
 
 
@@ -198,6 +201,7 @@ class AsyncFfgg(Ffgg):
 
     name = "ffgg_async"
     Params = AsyncFfggParams
+    batches_trials = False  # its clients work at models the server keeps (its state), each trial its own
 
     def aggregator(self) -> RecentModels:
         return RecentModels(self.params.max_delay)

@@ -38,6 +38,7 @@ class Finetune(Algorithm):
                    "Pillutla et al., ICML 2022, App. B.3: Ditto's lambda on {1e-4, ..., 1} (Ditto-as-fine-tuning); "
                    "fedpilot: 0, plain fine-tuning"))}
     visits_each_client_once = True
+    batches_trials = True
 
     @property
     def personal_part(self) -> str | None:
@@ -50,7 +51,7 @@ class Finetune(Algorithm):
 
     def local_update(self, cohort: Cohort) -> Upload:
         start = dict(cohort.personal)
-        cohort.personal = cohort.sgd("personal", prox=self.params.prox, reference=start).personal
+        cohort.personal = cohort.sgd("personal", prox=cohort.params.prox, reference=start).personal
         return Upload()
 
 

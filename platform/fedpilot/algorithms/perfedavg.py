@@ -44,18 +44,19 @@ class PerFedAvg(Algorithm):
                "params.alpha": Tunable(1e-4, 1.0, source=(
                    "Dinh et al., NeurIPS 2020: their code runs Per-FedAvg at alpha 0.005 (MNIST); fedpilot: 1e-4 to 1, "
                    "holding our pipelines' 0.05"))}
+    batches_trials = True
 
     @property
     def personal_part(self) -> str:
         return "none"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        k = len(cohort)
-        w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
-        beta = cohort.local.lr * cohort.lr_factor
-        for _ in range(self.params.tau):
+        w = {n: v.clone() for n, v in cohort.broadcast.items()}
+        # a number, or one per row in a batch of trials (per_client shapes it against [K, ...])
+        alpha, beta = cohort.params.alpha, cohort.value("local.lr") * cohort.lr_factor
+        for _ in range(cohort.params.tau):
             first = cohort.gradient("shared", steps=1, shared=w)
-            temp = {n: v - self.params.alpha * first[n] for n, v in w.items()}
+            temp = {n: v - cohort.per_client(alpha, v) * first[n] for n, v in w.items()}
             meta = cohort.gradient("shared", steps=1, shared=temp)
-            w = {n: v - beta * meta[n] for n, v in w.items()}
-        return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))
+            w = {n: v - cohort.per_client(beta, v) * meta[n] for n, v in w.items()}
+        return Upload(shared=w, weight=torch.ones(len(cohort), device=cohort.weights.device))

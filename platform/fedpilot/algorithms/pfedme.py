@@ -54,18 +54,19 @@ class PFedMe(Algorithm):
                    "chosen 1e-4 and 1e-1; Chen et al., ICML 2023, App. H: {1e-4, ..., 10}; fedpilot: up to 100, so "
                    "that 15 is no edge"))}
     personal_copy = True
+    batches_trials = True
 
     @property
     def personal_part(self) -> str:
         return "all"
 
     def local_update(self, cohort: Cohort) -> Upload:
-        k = len(cohort)
-        w = {n: v.expand(k, *v.shape).clone() for n, v in cohort.shared.items()}
+        w = {n: v.clone() for n, v in cohort.broadcast.items()}
         cohort.personal = {n: v.clone() for n, v in w.items()}
-        eta = cohort.local.lr * cohort.lr_factor
-        for _ in range(self.params.local_rounds):
-            cohort.personal = cohort.sgd("personal", lr=self.params.lr_personal, steps=self.params.inner_steps,
-                                         prox=self.params.lam, reference=w).personal
-            w = {n: v - eta * self.params.lam * (v - cohort.personal[n]) for n, v in w.items()}
-        return Upload(shared=w, weight=torch.ones(k, device=cohort.weights.device))
+        params = cohort.params  # a number each, or one per row in a batch of trials (per_client shapes it)
+        eta = cohort.value("local.lr") * cohort.lr_factor
+        for _ in range(params.local_rounds):
+            cohort.personal = cohort.sgd("personal", lr=params.lr_personal, steps=params.inner_steps,
+                                         prox=params.lam, reference=w).personal
+            w = {n: v - cohort.per_client(eta * params.lam, v) * (v - cohort.personal[n]) for n, v in w.items()}
+        return Upload(shared=w, weight=torch.ones(len(cohort), device=cohort.weights.device))

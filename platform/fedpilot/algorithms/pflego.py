@@ -85,15 +85,17 @@ class Pflego(Algorithm):
                    "Nikoloutsopoulos et al. 2022 (PFLEGO), Sec. 5.1: beta 0.001, Fig. 4: 0.007; fedpilot: up to 10 "
                    "(Shakespeare's 1)"))}
     needs = PERSONAL_AND_SHARED
+    batches_trials = True
 
     def aggregator(self) -> WeightedSum:
         return WeightedSum()
 
     def local_update(self, cohort: Cohort) -> Upload:
-        if self.params.tau > 1:
-            cohort.personal = cohort.sgd("personal", lr=self.params.beta, steps=self.params.tau - 1).personal
+        params = cohort.params  # a batch of trials' rows: beta and rho per row
+        if params.tau > 1:
+            cohort.personal = cohort.sgd("personal", lr=params.beta, steps=params.tau - 1).personal
         grads = cohort.gradient("all", steps=1)
-        step = self.params.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i
+        step = params.rho * cohort.lr_factor * unbiased_weights(cohort)  # rho_t (I/r) alpha_i [K]
         cohort.personal = {n: v - cohort.per_client(step, v) * grads[n] for n, v in cohort.personal.items()}
         return Upload(grad={n: g for n, g in grads.items() if n not in cohort.personal}, weight=step)
 

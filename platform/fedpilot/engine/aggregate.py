@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fedpilot.engine.protocol import ReducibleAggregator, RoundInfo, Upload
@@ -98,10 +99,14 @@ class WeightedMean(ReducibleAggregator):
             self.total[name], self.weight[name] = total, weight
 
 
-def server_optimizer(server: ServerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer of the shared parameters `params`, which steps on the aggregate (its pseudo-gradient)."""
+def server_optimizer(groups: Sequence[tuple[ServerConfig, list[torch.nn.Parameter]]]) -> torch.optim.Optimizer:
+    """The torch optimizer of the shared parameters, which steps on the aggregate (their pseudo-gradient): one
+    parameter group per trial (`groups`: a batch of trials' servers and parameters; a stage alone is one), each with
+    its server's numbers; its kind is the first's (a batch's trials share it)."""
     import torch
 
-    if server.optimizer == "adam":
-        return torch.optim.Adam(params, lr=server.lr, betas=server.betas, eps=server.eps)
-    return torch.optim.SGD(params, lr=server.lr, momentum=server.momentum)
+    if groups[0][0].optimizer == "adam":
+        return torch.optim.Adam([{"params": params, "lr": server.lr, "betas": server.betas, "eps": server.eps}
+                                 for server, params in groups])
+    return torch.optim.SGD([{"params": params, "lr": server.lr, "momentum": server.momentum}
+                            for server, params in groups])

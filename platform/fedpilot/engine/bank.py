@@ -163,12 +163,14 @@ class ClientBank(nn.Module):
         self.put(clients, values)
 
 
-def save_changes(banks: dict[str, ClientBank], folder: Path, step: int, write: bool, state: dict[str, Any]) -> None:
+def save_changes(banks: dict[str, ClientBank], folder: Path, step: int, write: bool, state: dict[str, Any],
+                 prefix: str = "") -> None:
     """Each of a stage's `banks` (by attribute name) saves its rows written since the last save as the next link of
-    its chain in `folder` (`write=False`: another process writes it); the checkpoint's `state` names the chain."""
+    its chain in `folder` (`write=False`: another process writes it); the checkpoint's `state` names the chain (the
+    stage's modules under `prefix`)."""
     for name, bank in banks.items():
         bank.save_changes(folder / f"{name}-{step}.pt", write)
-        state[f"{name}._extra_state"] = bank.get_extra_state()
+        state[f"{prefix}{name}._extra_state"] = bank.get_extra_state()
 
 
 def starting_bank(init: Tensors, n_clients: int, carried: ClientBank | None = None,

@@ -1,8 +1,8 @@
 """The stage's rounds as Lightning sees them: the stream of round tokens it steps through (`Rounds`), what stops
 them (`RoundGuard`), what a round ended with, as one typed value, and the callback that receives it.
 
-Loggers, progress displays and pruners subclass `RoundCallback` and implement `on_round_end`; they read the
-`RoundResult`, never the stage's own records.
+Loggers, progress displays and pruners subclass `RoundCallback` and implement `on_round_end` (and `on_round_start`);
+they read the `RoundResult` (and `RoundStart`), never the stage's own records.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class RoundResult:
     metrics: Mapping[str, float]  # training stats and round time, and the evaluation's summary when one was due
     shown: Mapping[str, float] = field(default_factory=dict)  # the latest loss and val score, for a progress display
     executor: str = ""  # the executor the round ran with
+    # a batch of trials (engine/trials.py): each trial still training's own result of the round, by trial index
+    trials: Mapping[int, RoundResult] = field(default_factory=dict)
 
     @classmethod
     def of(cls, trainer: Any, stage: Any) -> RoundResult:
@@ -38,11 +40,33 @@ class RoundResult:
         return cls(trainer.global_step, MappingProxyType(dict(stage.round_log)))
 
 
+@dataclass(frozen=True)
+class RoundStart:
+    """What a round about to run does beyond its work: `timing`, the executor candidates are timed on it first (a
+    longer round)."""
+
+    round: int  # rounds the stage has done
+    timing: bool = False
+
+    @classmethod
+    def of(cls, trainer: Any, stage: Any) -> RoundStart:
+        """The stage's next round (a stand-in without `upcoming`: a plain round)."""
+        upcoming = getattr(stage, "upcoming", None)
+        return upcoming if upcoming is not None else cls(trainer.global_step)
+
+
 class RoundCallback(L.Callback):
-    """A Lightning callback called at the end of every round of a stage with the round's `RoundResult`."""
+    """A Lightning callback called at the start of every round of a stage with a `RoundStart` and at its end with the
+    round's `RoundResult`."""
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.on_round_start(trainer, pl_module, RoundStart.of(trainer, pl_module))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self.on_round_end(trainer, pl_module, RoundResult.of(trainer, pl_module))
+
+    def on_round_start(self, trainer: L.Trainer, stage: L.LightningModule, start: RoundStart) -> None:
+        """Called before each round."""
 
     def on_round_end(self, trainer: L.Trainer, stage: L.LightningModule, result: RoundResult) -> None:
         """Called after each round (its server step done, its evaluation logged when due)."""

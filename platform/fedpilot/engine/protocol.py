@@ -100,6 +100,10 @@ class Tunable:
     `integer`: a whole number. `budget`: it changes what a client spends (its local steps, its model's size), which a
     matched-budget comparison keeps as written. `source`: where the range comes from (authors, venue, section or
     table; "fedpilot: <why>" for what no paper gives), shown in docs/algorithms.md's table.
+    `batchable`: trials that differ in it (and in other batchable values) can train as one batch (engine/trials.py),
+    each row of the batch with its trial's value: a number used in arithmetic (a step size, a pull's weight). By
+    default a range of floats that is not a `budget`; a whole number or a choice changes control flow or shapes
+    (steps, epochs, widths) and is not, unless set.
     """
 
     low: float | None = None
@@ -111,6 +115,7 @@ class Tunable:
     fallback: str | None = None
     budget: bool = False
     source: str | None = None
+    batchable: bool | None = None  # None: as the kind of range says (above)
 
     def __post_init__(self) -> None:
         kinds = [self.low is not None or self.high is not None, self.around is not None, self.choices is not None]
@@ -126,6 +131,8 @@ class Tunable:
             raise ValueError("`choices` needs at least one value")
         if self.source is not None and not (isinstance(self.source, str) and self.source.strip()):
             raise ValueError(f"`source` names where the range comes from, or is None (source={self.source!r})")
+        if self.batchable is None:
+            object.__setattr__(self, "batchable", not (self.budget or self.integer or kinds[2]))
 
     def dimension(self, value: Any) -> dict[str, Any]:
         """The search dimension (a search space's `Param` fields) for a stage whose key holds `value` (its
@@ -166,6 +173,12 @@ def step_size(fallback: str | None = None) -> Tunable:
                    "no range from the literature")
 
 
+# Stage keys the engine applies per trial in a batch whatever the algorithm: the local lr and weight decay row by row,
+# the server optimizer's numbers (each trial its own parameter group). The optimizer's kind, budgets and the rest of
+# a stage's settings are shared by a batch's trials.
+BATCHABLE_KEYS = frozenset({"local.lr", "local.weight_decay", "server.lr", "server.momentum", "server.betas",
+                            "server.eps"})
+
 Part = Literal["personal", "shared"]
 PERSONAL_AND_SHARED: frozenset[Part] = frozenset({"personal", "shared"})
 
@@ -191,6 +204,11 @@ class Algorithm(ABC):
       models_forward           set by the engine, not by a subclass: True where the class applies the model's own
                                forward to the parameters alone (no `forward` override, no constants), which lets
                                the executors run the model's layers their own way (engine/accel)
+      batches_trials           trials of a search that differ only in batchable values (`batchable`) can train as
+                               one batch (engine/trials.py): it reads every such value of its params and of the
+                               `local` block through the cohort (`cohort.params`, `cohort.value`: one per row where
+                               a chunk's trials differ) and reads no `server_state`. False (the default): its trials
+                               run one at a time
     """
 
     name: ClassVar[str]
@@ -201,6 +219,7 @@ class Algorithm(ABC):
     tunable: ClassVar[dict[str, Tunable]] = {}
     constants: ClassVar[frozenset[str]] = frozenset()
     models_forward: ClassVar[bool] = True
+    batches_trials: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -208,6 +227,16 @@ class Algorithm(ABC):
 
     def __init__(self, params: AlgorithmParams | dict[str, Any] | None = None):
         self.params = params if isinstance(params, self.Params) else self.Params.model_validate(params or {})
+
+    @classmethod
+    def batchable(cls, key: str) -> bool:
+        """Whether trials that differ in the stage key `key` (`local.lr`, `server.lr`, `params.lr_v`, ...) can train
+        as one batch: an algorithm that batches trials, and a key the engine applies per trial (BATCHABLE_KEYS) or a
+        `params` key its `tunable` declares `batchable`."""
+        if not cls.batches_trials:
+            return False
+        declared = cls.tunable.get(key) if key.startswith("params.") else None
+        return key in BATCHABLE_KEYS or bool(declared is not None and declared.batchable)
 
     @property
     def p(self) -> AlgorithmParams:

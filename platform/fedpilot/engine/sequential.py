@@ -43,9 +43,10 @@ class SequentialExecutor(Executor):
               batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         results = []
         for k in range(batches.index.shape[0]):
+            mine = rule.at(k)  # client k's lrs, pull and weight decay as numbers
             net, extra = self._client(module, k, trainable, frozen, fixed)
-            groups = [{"params": [p], "lr": rule.lr[n], "name": n} for n, p in net.named_parameters() if n in trainable]
-            opt = torch.optim.SGD(groups, lr=1.0, weight_decay=rule.weight_decay)
+            groups = [{"params": [p], "lr": mine.lr[n], "name": n} for n, p in net.named_parameters() if n in trainable]
+            opt = torch.optim.SGD(groups, lr=1.0, weight_decay=mine.weight_decay)
             for s in range(batches.index.shape[1]):
                 if not bool(batches.active[k, s]):
                     continue
@@ -54,13 +55,13 @@ class SequentialExecutor(Executor):
                 y = batches.labels[k, s][real]
                 opt.zero_grad()
                 loss = self._loss(net, extra, x, y)
-                if rule.prox:
-                    loss = loss + rule.prox / 2 * sum(
-                        (p - _ref(rule.reference[n], k, trainable[n])).pow(2).sum()
+                if mine.prox:
+                    loss = loss + mine.prox / 2 * sum(
+                        (p - _ref(mine.reference[n], k, trainable[n])).pow(2).sum()
                         for n, p in net.named_parameters() if n in trainable)
                 loss.backward()
-                if rule.clip_norm is not None:
-                    nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], rule.clip_norm)
+                if mine.clip_norm is not None:
+                    nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], mine.clip_norm)
                 opt.step()
                 stats.steps[k] += 1
             results.append({n: p.detach().clone() for n, p in net.named_parameters() if n in trainable})

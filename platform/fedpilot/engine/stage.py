@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -18,17 +16,20 @@ from fedpilot.engine.accel import Evaluator, ExecutorChoice
 from fedpilot.engine.aggregate import server_optimizer
 from fedpilot.engine.bank import ClientBank, save_changes, starting_values
 from fedpilot.engine.batches import Sampling
-from fedpilot.engine.cohort import Cohort, RoundWork, Trial
-from fedpilot.engine.config import LocalConfig, StageConfig
+from fedpilot.engine.cohort import Cohort, RoundWork
+from fedpilot.engine.config import LocalConfig, ServerConfig, StageConfig
 from fedpilot.engine.data import ClientData
-from fedpilot.engine.ddp import check_splits_across_processes, distributed, process_rows, share_round
+from fedpilot.engine.ddp import check_splits_across_processes, distributed, share_round
 from fedpilot.engine.executor import Tensors
-from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds
+from fedpilot.engine.hooks import RoundGuard, RoundResult, Rounds, RoundStart
 from fedpilot.engine.memory import data_fits
 from fedpilot.engine.metrics import cohort_spread
 from fedpilot.engine.novel import NovelClients, beyond_participants
-from fedpilot.engine.protocol import Aggregator, Algorithm, RoundInfo
+from fedpilot.engine.protocol import Algorithm, RoundInfo
+from fedpilot.engine.rounds import TrialRound, begin_round, chunks, run_round
 from fedpilot.engine.task import CLASSIFICATION, Task
+from fedpilot.engine.values import TrialValues
+from fedpilot.errors import Diverged
 from fedpilot.models.split import ParamSplit
 
 
@@ -85,12 +86,25 @@ class FederatedStage(L.LightningModule):
         """The executor the stage runs (`auto` until its first round has chosen one)."""
         return self.executor_choice.name
 
+    def execution_record(self) -> dict[str, float]:
+        """What the stage records of its executor choice (`executor_*` metrics; none for a pinned executor)."""
+        return self.executor_choice.record()
+
+    @property
+    def upcoming(self) -> RoundStart:
+        """Its next round (RoundCallback.on_round_start): the first under `execution: auto` times the candidates."""
+        return RoundStart(self.global_step, self.executor_choice.pending)
+
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(Rounds(), batch_size=None)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        return server_optimizer([self.server_group()])
+
+    def server_group(self) -> tuple[ServerConfig, list[nn.Parameter]]:
+        """What the server optimizer steps: the stage's server settings and its shared parameters."""
         params = [p for n, p in self.model.named_parameters() if n in set(self.shared_names)]
-        return server_optimizer(self.config.server, params or [nn.Parameter(self._no_shared)])
+        return self.config.server, params or [nn.Parameter(self._no_shared)]
 
     def setup(self, stage: str) -> None:
         check_splits_across_processes(self.algorithm)
@@ -100,16 +114,17 @@ class FederatedStage(L.LightningModule):
 
     def training_step(self, batch: int, batch_idx: int) -> None:
         round_idx = self.global_step
-        self.guard.check_progress(round_idx, self.n_rounds)
-        with self.guard.round(round_idx):
-            if self.executor_choice.pending:
-                self.executor_choice.time(partial(self.trial, round_idx), self.device)
+        with begin_round([self], round_idx, self.algorithm):
             start = time.perf_counter()
             stats = self.run_round(round_idx)
+        self.finish_round(round_idx, stats, time.perf_counter() - start)
+
+    def finish_round(self, round_idx: int, stats: dict[str, float], seconds: float) -> None:
+        """What a trained round ends with: its records, the evaluation when one is due, its `round_result`."""
         self.rounds_run += 1
         self.comm_bytes.append(stats["bytes_up"] + stats["bytes_down"])
         # per round what changes: the cohort and the bytes sent are reported once, with the footprints
-        self.round_log = {"round_time_s": time.perf_counter() - start,
+        self.round_log = {"round_time_s": seconds,
                           **{k: v for k, v in stats.items() if k not in ("clients", "bytes_up", "bytes_down")}}
         self.shown["train_loss"] = stats["train_loss"]  # not self.log: its bookkeeping is a cost on every round
         if round_idx + 1 == self.n_rounds:
@@ -120,14 +135,29 @@ class FederatedStage(L.LightningModule):
         self.round_result = RoundResult(round_idx + 1, MappingProxyType(dict(self.round_log)),
                                         MappingProxyType(dict(self.shown)), self.execution)
 
+    def records(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the stage besides its modules: its records (the clients' metrics once
+        evaluated) and server state."""
+        return {"history": self.history, "comm_bytes": self.comm_bytes, "server_state": self.server_state,
+                "client_metrics": self.client_metrics}
+
+    def load_records(self, saved: dict[str, Any]) -> None:
+        self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
+        self.server_state = dict(saved.get("server_state", self.server_state))
+        self.client_metrics = dict(saved.get("client_metrics", {}))  # a stop after the last round runs none again
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The stage's records (the clients' metrics once evaluated), server state and executor choice, and the banks'
-        chains of changes (save_changes_in)."""
-        records = {"history": self.history, "comm_bytes": self.comm_bytes, "server_state": self.server_state}
-        checkpoint["fedpilot"] = {**records, "client_metrics": self.client_metrics, **self.executor_choice.state_dict()}
+        """The stage's records, server state and executor choice, and the banks' chains of changes
+        (save_changes_in)."""
+        checkpoint["fedpilot"] = {**self.records(), **self.executor_choice.state_dict()}
+        self.save_bank_changes(self.global_step, self.trainer.is_global_zero, checkpoint["state_dict"])
+
+    def save_bank_changes(self, step: int, write: bool, state: dict[str, Any], prefix: str = "") -> None:
+        """Under save_changes_in, each bank's rows written since the last save as the next link of its chain (`write`:
+        this process writes it), named in the checkpoint's `state` (the stage's modules under `prefix`)."""
         if self.changes_folder is not None:
-            save_changes({"bank": self.bank, "state_bank": self.state_bank}, self.changes_folder, self.global_step,
-                         self.trainer.is_global_zero, checkpoint["state_dict"])
+            save_changes({"bank": self.bank, "state_bank": self.state_bank}, self.changes_folder, step, write, state,
+                         prefix)
 
     def save_changes_in(self, folder: Path | None) -> None:
         """Checkpoints save the banks as chains of their changes in `folder` (each save writes only the rows written
@@ -138,9 +168,7 @@ class FederatedStage(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("fedpilot", {})
-        self.history, self.comm_bytes = list(saved.get("history", [])), list(saved.get("comm_bytes", []))
-        self.server_state = dict(saved.get("server_state", self.server_state))
-        self.client_metrics = dict(saved.get("client_metrics", {}))  # a stop after the last round runs none again
+        self.load_records(saved)
         self.executor_choice.load_state_dict(saved)  # a resumed stage goes on with the executor it chose
 
     def sample_cohort(self, round_idx: int) -> torch.Tensor:
@@ -151,84 +179,92 @@ class FederatedStage(L.LightningModule):
         return {n: params[n].detach() for n in self.shared_names}
 
     def round_work(self, round_idx: int, clients: torch.Tensor, data: ClientData | None = None,
-                   local: LocalConfig | None = None, rounds: int | None = None) -> RoundWork:
-        """Round `round_idx`'s fixed parts for `clients`: the stage's model, executors and seed; by default its data
-        (on the host: `clients`' samples gathered to the device), its local work and its rounds' lr schedule."""
+                   local: LocalConfig | None = None, rounds: int | None = None, trials: int = 1) -> RoundWork:
+        """Round `round_idx`'s fixed parts for `clients` (of each of `trials` trials): the stage's model, execution
+        plan and seed; by default its data (on the host: `clients`' samples gathered to the device), its local work
+        and its rounds' lr schedule."""
         local, rounds = local or self.config.local, rounds or self.n_rounds
         if data is None:
             data = self.data if self.data_on_device else self.data.gather(clients, self.device)
-        executor, head_executor = self.executor_choice.executors(self.device)
-        return RoundWork(self.model, self.algorithm.forward, self.task, data, local,
-                         local.schedule.factor(round_idx, rounds), (self.seed, self.stage_index, round_idx), executor,
-                         self.split, head_executor, self.server_state, self.config.precision,
-                         constants=self.algorithm.constants)
+        return RoundWork(self.model, self.task, data, local, local.schedule.factor(round_idx, rounds),
+                         (self.seed, self.stage_index, round_idx), self.executor_choice.plan(self.device, trials),
+                         self.split, self.config.precision, constants=self.algorithm.constants)
+
+    def trial_values(self, local: LocalConfig | None = None) -> TrialValues:
+        """The values its clients train with: `local` (default: the stage's own block), the algorithm's params, the
+        server's state as it stands."""
+        return TrialValues(local or self.config.local, self.algorithm.params, self.server_state)
+
+    def client_start(self) -> Tensors:
+        """Each client's own values before its first visit (its personal parameters and constants), on the device."""
+        return {n: v.to(self.device) for n, v in self.personal_init.items()}
+
+    def round_part(self, work: RoundWork, clients: torch.Tensor) -> TrialRound:
+        """This stage's part of a training round of the cohort `clients` on `work`."""
+        shared = self.shared_params()
+        return TrialRound(self, self.trial_values(), shared, self.client_start(),
+                          info=RoundInfo(work.seed_key, clients, shared, self.data.n_clients),
+                          aggregate=self.algorithm.aggregator(),
+                          sums=torch.zeros(3, dtype=torch.float64, device=self.device))
+
+    def client_rows(self, ids: torch.Tensor, start: Tensors, fresh: bool = False) -> tuple[Tensors, Tensors]:
+        """The own values and state of clients `ids` from the banks (a stateless algorithm's own values: `start`);
+        `fresh`: `start` and the algorithm's initial state (clients that never took part)."""
+        personal = self.bank.get(ids) if self.algorithm.stateful and not fresh else {
+            n: v.expand(len(ids), *v.shape) for n, v in start.items()}
+        state = {n: v.to(self.device).expand(len(ids), *v.shape) for n, v in self.state_bank.init.items()} \
+            if fresh else self.state_bank.get(ids)
+        return personal, state
+
+    def keep_rows(self, ids: torch.Tensor, own: Tensors, state: Tensors) -> None:
+        """Clients `ids`' new own values (kept only by a stateful algorithm) and state, into the banks."""
+        if self.algorithm.stateful:
+            self.bank.put(ids, own)
+        self.state_bank.put(ids, state)
 
     def cohorts(self, work: RoundWork, clients: torch.Tensor, start: Tensors, rows: slice | None = None,
                 chunk: int | None = None, fresh: bool = False) -> Iterator[Cohort]:
         """The `rows` (default: all) of the round's cohort `clients` as cohorts of at most `chunk` clients (default
         max_parallel_clients), with their bank rows (a stateless algorithm's personal values: `start`); `fresh`:
         every client from `start` and the algorithm's initial state (clients that never took part)."""
-        shared, rows = self.shared_params(), rows or slice(0, len(clients))
-        chunk, from_bank = chunk or self.config.max_parallel_clients, self.algorithm.stateful and not fresh
-        for lo in range(rows.start, rows.stop, chunk):
-            part = slice(lo, min(lo + chunk, rows.stop))
-            ids = clients[part]
-            personal = self.bank.get(ids) if from_bank else {n: v.expand(len(ids), *v.shape) for n, v in start.items()}
-            state = {n: v.to(self.device).expand(len(ids), *v.shape) for n, v in self.state_bank.init.items()} \
-                if fresh else self.state_bank.get(ids)
-            yield Cohort(work, ids, part, clients, shared, personal, start, state)
-
-    def trial(self, round_idx: int) -> Trial:
-        """The executor candidates' trial: the round's local work of its first chunk of clients."""
-        chunk = self.sample_cohort(round_idx)[: self.config.max_parallel_clients].to(self.device)
-        return Trial(self.algorithm, self.round_work(round_idx, chunk), chunk, self.shared_params(),
-                      {n: v.to(self.device) for n, v in self.personal_init.items()}, self.bank.get(chunk),
-                      self.state_bank.get(chunk))
+        part = TrialRound(self, self.trial_values(work.local), self.shared_params(), start, fresh)
+        for cohort, _ in chunks([part], work, clients, rows or slice(0, len(clients)),
+                                chunk or self.config.max_parallel_clients):
+            yield cohort
 
     def run_round(self, round_idx: int, chunk: int | None = None) -> dict[str, float]:
         """Local work of the whole cohort in chunks (of `chunk` clients; by default as the executor choice says),
         each chunk's upload added to the aggregate and dropped before the next chunk trains; then one server
         optimizer step. Under DDP every process trains its slice of the cohort (`process_rows`), then all-reduces
         the aggregate, its bank rows and the training stats (engine.ddp): every process takes the same server step."""
-        clients = self.sample_cohort(round_idx).to(self.device)
-        work, shared = self.round_work(round_idx, clients), self.shared_params()
-        info = RoundInfo(work.seed_key, clients, shared, self.data.n_clients)
-        start = {n: v.to(self.device) for n, v in self.personal_init.items()}
-        aggregate, mine = self.algorithm.aggregator(), process_rows(len(clients))
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # read once a round: no wait on a chunk's work
-        for cohort in self.cohorts(work, clients, start, mine, chunk or self.executor_choice.clients_per_chunk):
-            self.train_chunk(cohort, aggregate, info)
-            stats = cohort.stats
-            sums += torch.stack([stats.loss.sum(), stats.metric.sum(), stats.steps.sum()]).double()
-        loss, metric, steps = sums.tolist()
+        stats = run_round([self], round_idx, self.algorithm, self.optimizers(), chunk)[0]
+        if isinstance(stats, Diverged):
+            raise stats
+        return stats
+
+    def end_round(self, part: TrialRound, round_idx: int, clients: torch.Tensor, mine: slice) -> dict[str, float]:
+        """The round's end for this stage, its rows trained (`part`): its aggregate's result (under DDP after the
+        processes' aggregates, bank rows and sums are all-reduced) as the gradient of its shared parameters, which
+        the server optimizer then steps on, and the round's stats."""
+        loss, metric, steps = part.sums.tolist()
         if distributed():
             banks = [self.bank, self.state_bank] if self.algorithm.stateful else [self.state_bank]
-            loss, metric, steps = share_round(clients, mine, aggregate, info, banks, [loss, metric, steps], self.device)
-        pseudo_grad, self.server_state = aggregate.result(info, self.server_state)
+            loss, metric, steps = share_round(clients, mine, part.aggregate, part.info, banks, [loss, metric, steps],
+                                              self.device)
+        pseudo_grad, self.server_state = part.aggregate.result(part.info, self.server_state)
         train_loss = loss / max(steps, 1.0)
         self.guard.check_finite(round_idx, train_loss, pseudo_grad)
-        self.server_step(pseudo_grad)
-        return {"train_loss": train_loss, f"train_{self.task.train_metric}": metric / max(steps, 1.0),
-                "clients": float(len(clients)), "bytes_up": float(aggregate.upload_bytes),
-                "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in shared.values())),
-                **cohort_spread(self.state_bank, clients)}
-
-    def train_chunk(self, cohort: Cohort, aggregate: Aggregator, info: RoundInfo) -> None:
-        """One chunk's local work: its bank rows written back, its upload added to the aggregate (and, returning,
-        let go of: a reducible aggregate holds sums, not the chunk's [K, ...] values)."""
-        upload = self.algorithm.local_update(cohort)
-        if self.algorithm.stateful:
-            self.bank.put(cohort.clients, cohort.own)
-        self.state_bank.put(cohort.clients, cohort.state)
-        if upload.shared is not None or upload.grad is not None:
-            aggregate.add(replace(upload, weight=cohort.weights if upload.weight is None else upload.weight), info)
-
-    def server_step(self, pseudo_grad: Tensors) -> None:
-        """The aggregate becomes the gradient of the shared parameters; the server optimizer steps."""
         params = dict(self.model.named_parameters())
         for name, g in pseudo_grad.items():
             params[name].grad = g.to(params[name].dtype)
-        optimizer = self.optimizers()
+        return {"train_loss": train_loss, f"train_{self.task.train_metric}": metric / max(steps, 1.0),
+                "clients": float(len(clients)), "bytes_up": float(part.aggregate.upload_bytes),
+                "bytes_down": float(len(clients) * sum(v.numel() * v.element_size() for v in part.shared.values())),
+                **cohort_spread(self.state_bank, clients)}
+
+    @staticmethod
+    def server_step(optimizer: torch.optim.Optimizer) -> None:
+        """The server `optimizer` steps on the gradients the round's aggregates became (end_round)."""
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -9,8 +9,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.engine.stage import FederatedStage
+from fedpilot.engine.hooks import RoundCallback, RoundResult, RoundStart
 from fedpilot.tracking import quiet_mlflow
 
 
@@ -32,7 +31,10 @@ class RoundProgress(TQDMProgressBar, RoundCallback):
         self.train_progress_bar.set_description(self.label)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if isinstance(pl_module, FederatedStage) and pl_module.executor_choice.pending:  # a longer first round
+        RoundCallback.on_train_batch_start(self, trainer, pl_module, *args)
+
+    def on_round_start(self, trainer: L.Trainer, stage: L.LightningModule, start: RoundStart) -> None:
+        if start.timing:  # a longer first round
             self.train_progress_bar.set_postfix_str("timing the executor candidates on the first round", refresh=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

@@ -24,13 +24,18 @@ class RoundMetrics(RoundCallback):
 
     flush_seconds = 1.0
 
-    def __init__(self, tracker: Tracker, run_id: str):
-        self.tracker, self.run_id = tracker, run_id
+    def __init__(self, tracker: Tracker, run_id: str, trial: int | None = None):
+        """`trial`: in a batch of trials, which one's rounds go to the run (RoundResult.trials)."""
+        self.tracker, self.run_id, self.trial = tracker, run_id, trial
         self.pending: list[Metric] = []
         self.flushed_at = time.monotonic()
         self.executor = ""  # the executor tagged on the run
 
     def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        if self.trial is not None:
+            if self.trial not in result.trials:  # stopped: its run holds what it logged before
+                return
+            result = result.trials[self.trial]
         if result.executor != self.executor:  # chosen on the first round: recorded at once, for a rerun to pin
             self.tracker.set_tags(self.run_id, execution_tags(stage))
             self.executor = result.executor

@@ -118,6 +118,22 @@ class PipelineRunner:
         spec = self.spec
         with_report = spec.tracking.plots and parent is None
         free_what_earlier_runs_left(self.device)
+        run_id, previous_runs = self.open_run(resume, parent, tags, name)
+        parent = run_id
+        started(run_id)
+        open_runs = [parent]
+        try:
+            with self.tracker.system_metrics(parent, spec.tracking.system_metrics), stop_on_signals():
+                outcomes = self._stages(parent, previous_runs, open_runs)
+            return self.close_run(parent, outcomes, with_report)
+        except BaseException as err:
+            self.fail_run(open_runs, err)
+            raise
+
+    def open_run(self, resume: str | None, parent: str | None, tags: dict[str, str] | None,
+                 name: str | None) -> tuple[str, dict[int, Any]]:
+        """The pipeline's MLflow run, created (nested under `parent`, with `tags`, named `name`) or resumed, and the
+        stage runs a resumed one holds."""
         if resume:
             run_id, previous_runs = resume, self.tracker.stage_runs(resume)
             self.tracker.resume(run_id)
@@ -125,35 +141,12 @@ class PipelineRunner:
         else:
             extra = {**(tags or {}), **({MLFLOW_PARENT_RUN_ID: parent} if parent else {})}
             run_id, previous_runs = self.tracker.start_pipeline(
-                spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra, name,
+                self.spec.resolved(), describe(self.data), str((self.root / "runs").resolve()), extra, name,
                 self.applies), {}
-        self.run_id = parent = run_id
-        started(run_id)
+        self.run_id = run_id
         if not resume and self.data.folder is not None and (self.data.folder / "tokenizer.json").is_file():
             self.tracker.client.log_artifact(run_id, str(self.data.folder / "tokenizer.json"), "data")
-        open_runs = [parent]
-        try:
-            with self.tracker.system_metrics(parent, spec.tracking.system_metrics), stop_on_signals():
-                outcomes = self._stages(parent, previous_runs, open_runs)
-            summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
-                       for o in outcomes]
-            self.tracker.log_pipeline_results(parent, {o.name: o.primary["test"] for o in outcomes}, summary,
-                                              spec.tracking.plots, self.task.primary)
-            self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes],
-                                                                   what_runs(spec, self.data.n_clients, hint=False))})
-            if with_report:
-                log_report(self.tracker.client, parent)
-            self.tracker.finish(parent)
-            shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
-        except BaseException as err:
-            self.tracker.fail(open_runs, err)
-            if isinstance(err, StageCrashed):  # its whole traceback: in the innermost run's error.txt
-                err.traceback_at = self.tracker.artifact_location(open_runs[-1], ERROR_ARTIFACT)
-            elif isinstance(err, StageFailed):  # nothing to resume: it would fail the same way again
-                self.tracker.set_tags(parent, {RESUMABLE_TAG: "false"})
-                shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
-            raise
-        return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
+        return run_id, previous_runs
 
     def _recorded_executions(self, parent: str) -> dict[int, dict[str, Any]]:
         """How each stage of the resumed run `parent` ran, as it recorded it, where the stage has no checkpoint (one
@@ -161,6 +154,33 @@ class PipelineRunner:
         return {i: pin for i, pin in recorded_executions(self.tracker.client, self.tracker.experiment_id,
                                                          parent).items()
                 if not (self._checkpoints(parent, i) / "last.ckpt").is_file()}
+
+    def close_run(self, parent: str, outcomes: list[StageOutcome], with_report: bool) -> PipelineResult:
+        """The finished pipeline's records in its run `parent` (its stages' results, its note, its report), the run
+        finished and its checkpoints gone."""
+        spec = self.spec
+        summary = [{"stage": o.name, "cache": o.cache, **{k: o.metrics[k] for k in sorted(o.metrics)}}
+                   for o in outcomes]
+        self.tracker.log_pipeline_results(parent, {o.name: o.primary["test"] for o in outcomes}, summary,
+                                          spec.tracking.plots, self.task.primary)
+        self.tracker.set_tags(parent, {NOTE_TAG: pipeline_note([(o.name, o.cache, o.metrics) for o in outcomes],
+                                                               what_runs(spec, self.data.n_clients, hint=False))})
+        if with_report:
+            log_report(self.tracker.client, parent)
+        self.tracker.finish(parent)
+        shutil.rmtree(self.root / "runs" / parent, ignore_errors=True)
+        return PipelineResult(parent, self.uri, self.tracker.experiment_id, outcomes)
+
+    def fail_run(self, open_runs: list[str], err: BaseException) -> None:
+        """`open_runs` (the pipeline's run first) failed with `err`: FAILED (KILLED for a stop); a crash keeps its
+        whole traceback in the innermost run's error.txt; a failed stage is not resumable (it would fail the same way
+        again) and leaves no checkpoints."""
+        self.tracker.fail(open_runs, err)
+        if isinstance(err, StageCrashed):
+            err.traceback_at = self.tracker.artifact_location(open_runs[-1], ERROR_ARTIFACT)
+        elif isinstance(err, StageFailed):
+            self.tracker.set_tags(open_runs[0], {RESUMABLE_TAG: "false"})
+            shutil.rmtree(self.root / "runs" / open_runs[0], ignore_errors=True)
 
     def cached(self) -> bool:
         """Whether the stage cache holds every stage of the pipeline (a run would train nothing)."""
@@ -281,10 +301,14 @@ class PipelineRunner:
         release_freed_memory(self.device)  # the rounds' kept buffers: the report starts from the memory in use
         stage.save_changes_in(None)  # the cache keeps every written row: the checkpoints go
         peak = memory.bytes
-        self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
-                              "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
+        self.cache_stage(key, stage, run_id, peak)
         shutil.rmtree(checkpoints, ignore_errors=True)
         return self._record(index, run_id, "miss", stage, split, peak, before)
+
+    def cache_stage(self, key: str, stage: FederatedStage, run_id: str, peak: int) -> None:
+        """A trained stage into the stage cache under `key` (what `_reuse` loads): its state and records, its run."""
+        self.cache.save(key, {"state": stage.state_dict(), "history": stage.history, "comm_bytes": stage.comm_bytes,
+                              "client_metrics": stage.client_metrics, "run_id": run_id, "peak_memory_bytes": peak})
 
     def _reuse(self, parent: str, index: int, stage: FederatedStage, split: ParamSplit, cached: dict[str, Any],
                key: str, earlier: Any, before: FederatedStage | None) -> StageOutcome:
@@ -331,7 +355,7 @@ class PipelineRunner:
             test = next(e for e in reversed(stage.history) if e["split"] == "test")  # the stage's end
             extra = {**{k: v for k, v in test.items() if k not in ("round", "split")}, **report.memory,
                      **{k: v for k, v in report.metrics.items() if "_frac_" in k or not k.startswith(SPLITS)},
-                     **stage.executor_choice.record()}
+                     **stage.execution_record()}
             self.tracker.set_tags(run_id, execution_tags(stage))  # chosen on the first round
             self.tracker.log_stage_results(run_id, name, report.clients, extra, previous, self.spec.tracking.plots,
                                            stage.task.primary)

@@ -9,7 +9,7 @@ from torch import nn
 
 from fedpilot.engine.accel.linear_graph import NotBatched, linear_graph, output_grads, sgd_, weight_grads
 from fedpilot.engine.accel.vmap import VmapAutogradExecutor
-from fedpilot.engine.executor import StepRule, Tensors, models_own
+from fedpilot.engine.executor import StepRule, Tensors
 
 
 class BmmExecutor(VmapAutogradExecutor):
@@ -24,7 +24,7 @@ class BmmExecutor(VmapAutogradExecutor):
         return super().supports(module, device) and linear_graph(module) is not None
 
     def graph(self, module: nn.Module) -> Callable | None:
-        return linear_graph(module) if models_own(self.forward) else None
+        return linear_graph(module) if self.models_forward else None
 
     def outputs(self, graph: Callable, trainable: Tensors, frozen: Tensors, fixed: Tensors, x, y, w) -> tuple:
         """The trained layers' inputs and output gradients, and the clients' (loss, metric), of one pass."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -24,23 +25,21 @@ from fedpilot.engine.accel.timing import (
     fastest,
 )
 from fedpilot.engine.ddp import distributed
-from fedpilot.engine.executor import Executor, Forward, plain_forward
+from fedpilot.engine.executor import ExecutionPlan, Forward, plain_forward
 from fedpilot.engine.memory import memory_in_use, release_freed_memory
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator
 from fedpilot.engine.task import Task
 
-Executors = tuple[Executor, Executor | None]  # the executor of a stage's local work, and of its head-only work
 
-
-class Trial(Protocol):
+class TimingRun(Protocol):
     """The local work of a round's first chunk of clients, on copies of their rows (what it computes is thrown away):
-    `trial(executors, steps, clients, per_chunk)` runs the first `clients` of the chunk (None: all), `per_chunk` at a
+    `run(executors, steps, clients, per_chunk)` runs the first `clients` of the chunk (None: all), `per_chunk` at a
     time (None: at once), `steps` steps a phase."""
 
     clients: int  # the chunk's
     client_bytes: int  # what a chunk holds of each of its clients: shared and personal values, state
 
-    def __call__(self, executors: Executors, steps: int, clients: int | None = None,
+    def __call__(self, plan: ExecutionPlan, steps: int, clients: int | None = None,
                  per_chunk: int | None = None) -> None: ...
 
 
@@ -48,10 +47,12 @@ class ExecutorChoice:
     """The executor of a stage's local work and evaluation (`name`), applying the model with the `algorithm`'s
     `forward`, and under `auto`, once timed, what each candidate measured: `seconds` and `peak_bytes` on the first
     round's first chunk, `clients_per_call` of those that batch clients, and `timing_s`, what the timing took; and
-    `clients_per_chunk`, the clients a chunk of the rounds takes (None: the stage's `max_parallel_clients`)."""
+    `clients_per_chunk`, the clients a chunk of the rounds takes (None: the stage's `max_parallel_clients`). What the
+    rounds run is one frozen `ExecutionPlan` (`plan`)."""
 
     def __init__(self, requested: str, model: nn.Module, algorithm: Algorithm, task: Task):
         self.requested, self.model, self.task = requested, model, task
+        self.models_forward = algorithm.models_forward
         self.forward: Forward = plain_forward if algorithm.models_forward else algorithm.forward
         self.name = requested  # "auto" until the first round times the candidates
         self.seconds: dict[str, float] = {}
@@ -60,7 +61,7 @@ class ExecutorChoice:
         self.clients_per_chunk: int | None = None
         self.folds = isinstance(algorithm.aggregator(), ReducibleAggregator)  # sums: each chunk folded in, freed
         self.timing_s: float | None = None
-        self._built: dict[tuple, Executors] = {}
+        self._built: dict[tuple, ExecutionPlan] = {}
 
     @property
     def pending(self) -> bool:
@@ -71,26 +72,29 @@ class ExecutorChoice:
         """Run executor `name` (also `sequential`, the tests' reference), batching `per_call` clients a call."""
         self.name, self.clients_per_call, self.clients_per_chunk = name, {name: per_call} if per_call else {}, None
 
-    def executors(self, device: torch.device) -> Executors:
-        """The chosen executors on `device`: a timed choice was timed on whole-model work, so head-only work keeps
-        the rule of thumb for the head."""
-        return self.build(self.name, bool(self.seconds), device)
+    def plan(self, device: torch.device, trials: int = 1) -> ExecutionPlan:
+        """What the rounds run on `device`, for `trials` trials' rows: the chosen executors (a timed choice was timed on
+        whole-model work, so head-only work keeps the rule of thumb for the head) and chunks."""
+        return replace(self.build(self.name, bool(self.seconds), device), chunk=self.clients_per_chunk, trials=trials)
 
-    def build(self, name: str, timed: bool, device: torch.device, per_call: int | None = None) -> Executors:
-        """Executor `name` of the stage's local work, batching at most `per_call` clients a call (by default as many
-        as the timing measured, or all), and the one of its head-only work on the body's features (None: head-only
-        work runs as any other): the rule of thumb for the head where `timed`, else `name`; built once."""
+    def build(self, name: str, timed: bool, device: torch.device, per_call: int | None = None) -> ExecutionPlan:
+        """The plan of executor `name` for the stage's local work, batching at most `per_call` clients a call (by
+        default as many as the timing measured, or all), and the executor of its head-only work on the body's features
+        (None: head-only work runs as any other): the rule of thumb for the head where `timed`, else `name`; built
+        once."""
         per_call = per_call or self.clients_per_call.get(name)
         key = (name, timed, device, per_call)
         if key not in self._built:
-            executor = choose(name, self.model, device)(self.forward, self.task, per_call)
+            own = None if self.models_forward else self.forward  # None: the model's own forward (Executor)
+            executor = choose(name, self.model, device)(own, self.task, per_call)
             head = getattr(self.model, "head", None)
             kind = choose(AUTO if timed else name, head, device) if head is not None else None
-            self._built[key] = executor, kind(plain_forward, self.task) if kind and kind.uses_features else None
+            head_executor = kind(None, self.task) if kind and kind.uses_features else None
+            self._built[key] = ExecutionPlan(executor, head_executor, self.forward, self.models_forward)
         return self._built[key]
 
-    def time(self, trial: Callable[[], Trial], device: torch.device) -> None:
-        """Time the candidates on the first TRIAL_STEPS steps of every local phase of `trial()`'s clients, after a
+    def time(self, timing_run: Callable[[], TimingRun], device: torch.device) -> None:
+        """Time the candidates on the first TRIAL_STEPS steps of every local phase of `timing_run()`'s clients, after a
         warm-up run of each on the first step (thrown away: nothing is written and the random state is restored),
         and keep the fastest for the stage, or a leaner one the fastest is not believably faster than
         (`timing.kept`). Executors that batch clients first measure how many a call takes
@@ -101,7 +105,7 @@ class ExecutorChoice:
         began = time.perf_counter()
         candidates = executor_candidates(self.model, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            runs = _Runs(self, trial(), device)
+            runs = _Runs(self, timing_run(), device)
             timed = self._measured(candidates, runs)
         release_freed_memory(device)  # the losing candidates' buffers (vmap's can double a CNN's memory)
         chosen = [(timed, self.clients_per_call, runs.per_chunk(timed.choice))]
@@ -152,7 +156,7 @@ class _Runs:
     """A trial's runs by candidate name, as `fastest` and `clients_per_call` take them, in the chunks the rounds would
     take under each candidate (`per_chunk`)."""
 
-    def __init__(self, choice: ExecutorChoice, trial: Trial, device: torch.device):
+    def __init__(self, choice: ExecutorChoice, trial: TimingRun, device: torch.device):
         self.choice, self.trial, self.device = choice, trial, device
         self.lean_chunk = max(1, int(MATERIAL_MEMORY * memory_in_use(device) // max(trial.client_bytes, 1)))
 
@@ -166,7 +170,7 @@ class _Runs:
         if not self.choice.folds:
             return None
         clients = self.trial.clients
-        at_once = self.choice.build(name, False, self.device)[0].clients_at_once(clients, self.device)
+        at_once = self.choice.build(name, False, self.device).executor.clients_at_once(clients, self.device)
         return min(clients, max(1, self.lean_chunk // at_once) * at_once)
 
     def run(self, name: str, steps: int = TRIAL_STEPS, clients: int | None = None, per_call: int | None = None) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fedpilot.engine.executor import Rate
 from fedpilot.engine.task import Task
 
 Tensors = dict[str, torch.Tensor]
@@ -153,17 +154,28 @@ def weight_grads(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Ten
     return grads
 
 
-def sgd_(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Tensors, lr: dict[str, float],
+def sgd_(seen: dict[str, tuple[torch.Tensor, torch.Tensor]], params: Tensors, lr: dict[str, Rate],
          active: torch.Tensor) -> None:
     """Plain SGD in place on `params` [K, ...] of the layers in `seen`, for the clients whose `active` flag is set:
-    W -= lr G^T A in one pass (no weight gradient in memory), b -= lr G summed over the rows."""
+    W -= lr G^T A in one pass (no weight gradient in memory), b -= lr G summed over the rows; an lr of one per row
+    [K] scales each client's rows of G."""
     scale = None if bool(active.all()) else active.view(-1, 1, 1)
     with torch.autocast(active.device.type, enabled=False):
         for layer, (a, g) in seen.items():
-            g = g if scale is None else g * scale.to(g.dtype)
             weight, bias = (f"{layer}.{part}" if layer else part for part in ("weight", "bias"))
             if weight in params:
                 p = params[weight]
-                p.baddbmm_(g.transpose(1, 2).to(p.dtype), a.to(p.dtype), alpha=-lr[weight])
+                rows, alpha = _scaled(g, scale, lr[weight])
+                p.baddbmm_(rows.transpose(1, 2).to(p.dtype), a.to(p.dtype), alpha=-alpha)
             if bias in params:
-                params[bias].sub_(g.sum(1).to(params[bias].dtype), alpha=lr[bias])
+                rows, alpha = _scaled(g, scale, lr[bias])
+                params[bias].sub_(rows.sum(1).to(params[bias].dtype), alpha=alpha)
+
+
+def _scaled(g: torch.Tensor, scale: torch.Tensor | None, lr: Rate) -> tuple[torch.Tensor, float]:
+    """(G with inactive clients' rows zeroed, lr) for one lr; (G with each client's rows times its lr, 1) for one lr
+    per row."""
+    if torch.is_tensor(lr):
+        factor = lr.view(-1, 1, 1) if scale is None else lr.view(-1, 1, 1) * scale
+        return g * factor.to(g.device, g.dtype), 1.0
+    return (g if scale is None else g * scale.to(g.dtype)), lr

@@ -14,8 +14,8 @@ from fedpilot.engine.accel.linear_graph import NotBatched, layer_of, sgd_
 from fedpilot.engine.accel.pooling import has_2d_maps, with_measured_pooling
 from fedpilot.engine.accel.shared_start import batchable, first_step_grads
 from fedpilot.engine.accel.threads import client_threads, for_each_client
-from fedpilot.engine.accel.vmap import client_rows, mean_of_steps
-from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats, models_own
+from fedpilot.engine.accel.vmap import mean_of_steps
+from fedpilot.engine.executor import Batches, Executor, Forward, StepRule, Tensors, TrainStats
 from fedpilot.engine.memory import keep_freed_memory
 from fedpilot.engine.task import Task
 
@@ -73,14 +73,15 @@ def eager_client_pass(module: nn.Module, forward: Forward, task: Task,
 
 
 def eager_client_stepper(module: nn.Module, forward: Forward, task: Task,
-                         layout: Callable[[torch.Tensor], torch.Tensor], rule: StepRule) -> Callable[..., tuple]:
+                         layout: Callable[[torch.Tensor], torch.Tensor], rule: StepRule,
+                         models_forward: bool) -> Callable[..., tuple]:
     """step(mine, frozen, fixed, x, y, w, active): one step of `rule` in place on one client's parameters `mine`
-    ([1, ...] rows of the cohort's buffers), with its (loss, metric). Plain SGD under the model's own forward updates
-    each trained Linear layer as W -= lr G^T A, with no weight gradient in memory (as `bmm` does for all clients);
-    everything else steps its gradient."""
+    ([1, ...] rows of the cohort's buffers), with its (loss, metric). Plain SGD under the model's own forward
+    (`models_forward`) updates each trained Linear layer as W -= lr G^T A, with no weight gradient in memory (as `bmm`
+    does for all clients); everything else steps its gradient."""
     run = eager_client_pass(module, forward, task, layout)
     linears = {name for name, m in module.named_modules() if isinstance(m, nn.Linear)} if (
-        rule.plain and models_own(forward)) else set()
+        rule.plain and models_forward) else set()
 
     def step(mine: Tensors, frozen: Tensors, fixed: Tensors, x, y, w, active):
         own = {n: _own_version(p[0]) for n, p in mine.items()}
@@ -135,7 +136,7 @@ class LoopExecutor(Executor):
 
         def client(k: int, module: nn.Module) -> None:
             own_rule = rule.for_rows(slice(k, k + 1), start)
-            step = eager_client_stepper(module, self.forward, self.task, self.layout, own_rule)
+            step = eager_client_stepper(module, self.forward, self.task, self.layout, own_rule, self.models_forward)
             mine = {n: p[k : k + 1].copy_(start[n][k : k + 1]) for n, p in trained.items()}  # cache-hot copy
             my_frozen = {n: p[k] for n, p in frozen.items()}
             for s in (torch.nonzero(batches.active[k, first:]).flatten() + first).tolist():
@@ -204,9 +205,9 @@ class BatchedFirstStepExecutor(LoopExecutor):
               batches: Batches, rule: StepRule, stats: TrainStats) -> Tensors:
         first = batches.active[:, 0]
         clients = {**trainable, **frozen}
-        same_weights = all(p.stride(0) == 0 for p in clients.values())
+        same_weights = all(p.stride(0) == 0 or n in batches.trial_models for n, p in clients.items())
         step = None
-        if trainable and bool(first.any()) and batchable(module) and (same_weights or models_own(self.forward)):
+        if trainable and bool(first.any()) and batchable(module) and (same_weights or self.models_forward):
             keep_freed_memory(batches.source.device)
             step = self.first_step(module, clients, fixed, list(trainable), batches)
         if step is None:
@@ -220,11 +221,13 @@ class BatchedFirstStepExecutor(LoopExecutor):
                    batches: Batches) -> tuple[Tensors, torch.Tensor, torch.Tensor] | None:
         """`first_step_grads` of every client, batched over `clients_per_call` clients at a time."""
         forward = with_measured_pooling(self.forward) if has_2d_maps(module) else self.forward
-        count, groups = batches.index.shape[0], self.groups(batches.index.shape[0])
+        count, groups = batches.index.shape[0], self.first_groups(batches)
         grads: Tensors = {}
         losses, metrics = [], []
         for rows in groups:
-            part = first_step_grads(module, forward, self.task, client_rows(clients, rows), fixed, trainable,
+            mine = {n: v[rows][:1].expand_as(v[rows]) if n in batches.trial_models else v[rows]
+                    for n, v in clients.items()}  # a trial's rows start from its one model
+            part = first_step_grads(module, forward, self.task, mine, fixed, trainable,
                                     batches.inputs(rows, 0), batches.labels[rows, 0], batches.weight[rows, 0])
             if part is None or len(groups) == 1:
                 return part
@@ -233,3 +236,14 @@ class BatchedFirstStepExecutor(LoopExecutor):
             losses.append(part[1])
             metrics.append(part[2])
         return grads, torch.cat(losses), torch.cat(metrics)
+
+    def first_groups(self, batches: Batches) -> list[slice]:
+        """The rows the first step takes together: `clients_per_call` at a time, within each trial's rows."""
+        count = batches.index.shape[0]
+        if batches.trials is None:
+            return self.groups(count)
+        groups, lo = [], 0
+        for rows in batches.trials:
+            groups += [slice(lo + part.start, lo + part.stop) for part in self.groups(rows)]
+            lo += rows
+        return groups

@@ -298,60 +298,6 @@ def test_compare_to_slurm_without_slurm_exits_2_and_creates_nothing(workdir, mon
     assert sorted(p.name for p in workdir.iterdir()) == before
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
-def test_a_comparison_stopped_inside_the_last_trial_of_a_study_runs_again_to_the_end(workdir, stop):
-    """Ctrl+C (or kill -9) 1.5 s into the last trial of the first study: that trial does not stay RUNNING for ever
-    (a stop fails it and retries it with its parameters at once; a dead process's trial goes stale and is retried
-    by whoever opens the study next), so the same command again finishes the study and every run."""
-    set_file, storage = write_set(workdir, pruner={"kind": "none"}), f"sqlite:///{workdir}/studies.db"
-    command = ["compare", set_file, "stages.1.rounds=150", "--storage", storage, "--heartbeat-seconds", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "fedpilot.cli", *command], cwd=workdir, env=os.environ.copy(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        last = running_trial(storage, number=2, within=300, proc=proc)
-        time.sleep(1.5)
-        assert proc.poll() is None, "the comparison ended before it could be stopped"
-    finally:
-        os.kill(proc.pid, stop)
-        _, stderr = proc.communicate(timeout=120)
-    study = optuna.load_study(study_name=last.study, storage=storage)
-    stopped = study.get_trials(deepcopy=False)[2]
-    assert stopped.state == optuna.trial.TrialState.FAIL if stop == signal.SIGINT else stopped.state.name in (
-        "RUNNING", "FAIL"), (stopped.state, stderr[-3000:])
-    rerun = subprocess.run([sys.executable, "-m", "fedpilot.cli", *command], cwd=workdir, env=os.environ.copy(),
-                           capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    trials = optuna.load_study(study_name=last.study, storage=storage).get_trials(deepcopy=False)
-    finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
-    assert len(finished) == 3 and finished[-1].params == stopped.params  # the stopped trial, retried
-    client, run_id = MlflowClient(), run_id_of(rerun.stdout)
-    runs = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'")
-    assert sorted((r.data.tags["fedpilot.pipeline"], r.data.tags["fedpilot.seed"]) for r in runs
-                  if r.info.status == "FINISHED") == [(p, s) for p in ("base", "other") for s in ("0", "1")]
-
-
-class Running:
-    def __init__(self, study: str, number: int):
-        self.study, self.number = study, number
-
-
-def running_trial(storage: str, number: int, within: float, proc: subprocess.Popen) -> Running:
-    """The first study of `storage` once its trial `number` is RUNNING (waiting at most `within` seconds)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            names = optuna.get_all_study_names(storage)
-        except Exception:  # the storage's tables do not exist yet
-            names = []
-        for name in names:
-            trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-            if len(trials) > number and trials[number].state == optuna.trial.TrialState.RUNNING:
-                return Running(name, number)
-        time.sleep(0.2)
-    raise AssertionError(f"no trial {number} ran within {within} s ({proc.poll()=})")
-
-
 def alive(*kinds: type) -> dict[str, int]:
     """How many objects of each of `kinds` the process holds, by name, when any: after full collections until one
     frees nothing (a finalizer run by one may let go of a cycle the next one frees: garbage, not held)."""

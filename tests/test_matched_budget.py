@@ -72,7 +72,7 @@ def test_every_client_takes_the_same_minibatch_gradients_a_round(comparisons, ca
         for name, spec in specs.items():
             one_round = spec.model_copy(update={"stages": [spec.stages[0], spec.stages[1].model_copy(
                 update={"rounds": 1})]})
-            stage, _, _ = PipelineRunner(one_round, cache_dir=cache, progress=False)._stage(1, "", None)
+            stage = PipelineRunner(one_round, cache_dir=cache, progress=False)._stage(1, None)
             stage.executor_choice.pin("vmap")  # pinned: an auto stage also times executors on the round's plans
             works.clear()
             fit(stage)

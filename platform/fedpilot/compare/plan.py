@@ -49,7 +49,8 @@ class TuneSpec(Strict):
     space: per pipeline name, a written space (spec keys -> ranges) instead of its algorithms' declared ones (`auto`);
     a range that excludes the pipeline's written value is widened to include it (trial 0 is the pipeline as written)
     unless `widen: false`, which refuses it. tune_budget: also search what changes a client's work or model size.
-    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. splits: `fixed`
+    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. batch: the trials
+    a study asks at once and trains together (its search's `batch`). splits: `fixed`
     (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut per seed) or
     `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning seed's
     train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs tuned)."""
@@ -64,6 +65,7 @@ class TuneSpec(Strict):
     tune_budget: bool = False
     budget: Literal["per_method", "per_dimension"] = "per_method"
     edge_trials: int = Field(2, ge=0, le=MAX_EDGE_TRIALS)
+    batch: int = Field(1, ge=1, le=SQL_INT_MAX)
     splits: Literal["fixed", "train_val", "redraw"] = "fixed"
     untuned: bool = False
 
@@ -314,7 +316,7 @@ def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipelin
             "space": {k: p.model_dump(exclude_none=True) for k, p in space.items()}}
         search |= {"objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": 1,
                    "edge_trials": tune.edge_trials, "sampler": tune.sampler.model_dump(),
-                   "pruner": tune.pruner.model_dump()}
+                   "pruner": tune.pruner.model_dump(), "batch": tune.batch}
         spec = _tuning_spec({**written.resolved(), "seed": seed, "search": search}, comparison, i,
                             "" if space is None else f"tune.space.{name}.")
         if space is not None:
@@ -374,7 +376,7 @@ def study_name(pipeline: str, spec: PipelineSpec, seeds: list[int]) -> str:
     from fedpilot.data.federated import fingerprint
 
     what = {k: v for k, v in spec.resolved().items() if k != "tracking"}
-    what["search"] = {k: v for k, v in what["search"].items() if k != "study"}
+    what["search"] = {k: v for k, v in what["search"].items() if k not in ("study", "batch")}  # batch: how, not what
     redrawn = spec.dataset.split.redraw or spec.dataset.seed is None  # a seed's own train/val, or federation
     what |= {"seeds": seeds, "federations": [fingerprint(spec.dataset, spec.dataset.seed if spec.dataset.seed is not
                                                          None else seed, seed if spec.dataset.split.redraw else None)

@@ -99,6 +99,8 @@ class SearchSpec(Strict):
     `space: auto` searches what the algorithms of `stages` (default: every stage) declare tunable, over their
     declared ranges (a relative range around the pipeline's value); the hyperparameters that change what a client
     spends (local steps, model size) only with `tune_budget: true`. The pipeline's spec holds the space it expands to.
+    `batch`: how many trials a process asks at once and trains together (pipeline/trials.py); it changes how the
+    trials run, never which points a study starts with.
     """
 
     study: str | None = None
@@ -110,6 +112,7 @@ class SearchSpec(Strict):
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
     edge_trials: int = Field(0, ge=0, le=20)  # further trials beyond an edge the best value lies near (tuning.py)
+    batch: int = Field(1, ge=1, le=SQL_INT_MAX)  # trials asked and trained together (tuning.py); not what is tried
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 

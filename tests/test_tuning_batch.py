@@ -4,8 +4,11 @@ batch stopped mid-way leaves no trial running and is retried; a bad `search.batc
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import mlflow
 import optuna
 import pytest
 from mlflow import MlflowClient
@@ -16,7 +19,7 @@ from fedpilot.spec import PipelineSpec
 from fedpilot.studies.halving import due, losers, rung_steps
 from fedpilot.tracking import CHECKPOINTS_TAG, STUDY_TAG
 from fedpilot.tuning import Search, quiet_optuna
-from pipeline_fixtures import SMALL, cli, write_pipeline
+from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 from test_tuned_protocol import write_set
 
 pytestmark = pytest.mark.slow  # trains searches
@@ -183,3 +186,41 @@ def test_a_batch_stopped_midway_leaves_no_trial_running_and_is_retried(env, monk
     assert [t.system_attrs["failed_trial"] for t in done] == [0, 1, 2]  # the same trials, retried
     assert [t.params for t in done] == [t.params for t in failed]
     assert result.finished == 3 and not client.search_runs([experiment], "attributes.status = 'RUNNING'")
+
+
+def test_a_tuned_comparison_in_batches_records_what_it_records_one_trial_at_a_time(workdir, new_mlflow_store,
+                                                                                   monkeypatch):
+    from test_compare_tuned import write_set as write_pair
+
+    records, sizes, run = [], {1: [], 3: []}, PipelineTrials.run
+    for batch in (1, 3):
+        monkeypatch.setattr(PipelineTrials, "run", lambda self, *a, seen=sizes[batch], **k: seen.append(
+            len(self.values)) or run(self, *a, **k))
+        folder = workdir / f"batch-{batch}"
+        folder.mkdir()
+        uri = new_mlflow_store(folder)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.setenv("FEDPILOT_CACHE", str(folder / "cache"))  # each trains every stage itself
+        mlflow.set_tracking_uri(uri)
+        code, output = cli("compare", write_pair(folder, batch=batch), "--storage", f"sqlite:///{folder}/studies.db")
+        assert code == 0, output
+        client, run_id = MlflowClient(uri), run_id_of(output)
+        records.append(json.loads(Path(client.download_artifacts(run_id, "comparison.json", str(folder))).read_text()))
+        studies = [optuna.load_study(study_name=records[-1]["tuning"][p]["study"], storage=f"sqlite:///{folder}/"
+                                     "studies.db") for p in ("base", "other")]
+        records[-1]["trials"] = [[(t.number, t.state.name, t.params) for t in s.get_trials()] for s in studies]
+    assert sizes[1] == [] and max(sizes[3]) == 3  # one study's first batch: trial 0 and its two Sobol points
+    one, three = (flat({k: v for k, v in r.items() if k != "runs"}) for r in records)  # runs: their ids
+    assert one.keys() == three.keys()  # trial 0, the Sobol points and the trials beyond an edge: the same trials,
+    for key, value in one.items():  # the same scores, verdicts, studies' values and choices
+        same = math.isclose(value, three[key], abs_tol=1e-6) if isinstance(value, float) else value == three[key]
+        assert same, (key, value, three[key])
+
+
+def flat(value: object, path: str = "") -> dict[str, object]:
+    """A JSON value's leaves by their path."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{path}.{key}").items()}
+    if isinstance(value, list | tuple):
+        return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{path}[{i}]").items()}
+    return {path: value}

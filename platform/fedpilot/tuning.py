@@ -410,7 +410,9 @@ class Search:
         asked = []
         for _ in range(count):
             self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
-            asked.append(self.study.ask())
+            with warnings.catch_warnings():  # that ask's trials get no heartbeat: these beat (heartbeats)
+                warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+                asked.append(self.study.ask())
             self._running.append(asked[-1]._trial_id)
             self.study._storage.record_heartbeat(asked[-1]._trial_id)
         return asked

@@ -224,3 +224,22 @@ def flat(value: object, path: str = "") -> dict[str, object]:
     if isinstance(value, list | tuple):
         return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{path}[{i}]").items()}
     return {path: value}
+
+
+def test_a_trial_of_a_batch_trained_alone_is_pruned_as_a_lone_trial_is(env, monkeypatch):
+    monkeypatch.setattr("fedpilot.pipeline.trials._batches", lambda stages: [[k] for k, _ in stages])  # none batch
+    search = {**SEARCH, "space": {"stages.1.local.lr": {"type": "float", "low": 1e-6, "high": 0.3, "log": True}},
+              "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0, "margin": 0}, "batch": 2,
+              "trials": 4}
+    raw = {**TINY, "search": search, "stages": [{**SMALL["stages"][0], "rounds": 2},
+                                                {**SMALL["stages"][1], "rounds": 6, "params": {"lr_v": 1e-6}}]}
+    runner = Search(spec_of(raw, env), f"sqlite:///{env}/optuna.db", echo=lambda line: None)
+    for lr in (0.05, 0.03, 1e-6, 3e-6):  # two batches of two: the first finishes, the second learns nothing
+        runner.study.enqueue_trial({"stages.1.local.lr": lr})
+    result = runner.run()
+    trials = runner.study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"] and result.pruned == 2
+    client = MlflowClient()
+    for trial in trials[2:]:  # stopped before the stage's end, its runs KILLED
+        assert max(trial.intermediate_values) < 2 + 6 and trial.user_attrs["rounds"] < 6
+        assert client.get_run(trial.user_attrs["mlflow_run_id"]).info.status == "KILLED"

@@ -70,8 +70,8 @@ def test_rungs_one_evaluation_reaches_together_are_judged_once():
 
 # ---- bad input -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("batch", "message"), [
-    (0, "search.batch=0: Input should be greater than or equal to 1"),
-    ("many", "search.batch='many'"),
+    (0, "search.batch=0: a number of trials from 1 to 2147483647, or `auto`"),
+    ("many", "search.batch='many': a number of trials from 1 to 2147483647, or `auto`"),
     (True, "search.batch=True"),
 ])
 def test_a_bad_search_batch_is_one_line_and_exit_2(env, batch, message):
@@ -243,3 +243,25 @@ def test_a_trial_of_a_batch_trained_alone_is_pruned_as_a_lone_trial_is(env, monk
     for trial in trials[2:]:  # stopped before the stage's end, its runs KILLED
         assert max(trial.intermediate_values) < 2 + 6 and trial.user_attrs["rounds"] < 6
         assert client.get_run(trial.user_attrs["mlflow_run_id"]).info.status == "KILLED"
+
+
+def test_batch_auto_measures_a_trials_round_together_and_alone_and_keeps_to_its_choice(env):
+    spec = spec_of({**TINY, "search": {**SEARCH, "batch": "auto", "trials": 5}}, env)
+    sizes, lines, run = [], [], PipelineTrials.run
+    PipelineTrials.run = lambda self, *a, **k: sizes.append(len(self.values)) or run(self, *a, **k)
+    try:
+        search = Search(spec, f"sqlite:///{env}/optuna.db", echo=lines.append)
+        search.run()
+    finally:
+        PipelineTrials.run = run
+    measured = search.study.user_attrs["batch"]
+    assert measured["measured_on"] == 2  # the first batch: the two Sobol points (trial 0 one of them)
+    assert measured["round_s_together"] > 0 and measured["round_s_alone"] > 0
+    cheaper = measured["round_s_together"] < measured["round_s_alone"]
+    assert measured["size"] == (2 if cheaper else 1)
+    assert sizes[:2] == [2, 1]  # the batch, then trial 0's noise seed alone: what it weighs
+    assert sizes[2:] == ([2] if cheaper else [])  # the three trials left: a batch of 2 and one alone, or all alone
+    assert [line for line in lines if line.startswith("batch: auto: ")] == [
+        f"batch: auto: a trial's round took {measured['round_s_alone']:.4f} s alone, "
+        f"{measured['round_s_together']:.4f} s in a batch of 2: trials train {measured['size']} at a time"]
+    assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 5

@@ -113,6 +113,7 @@ def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
 
 
 NOISE = "noise"  # a trial's user attribute: it also trains the study's noise seed(s)
+BATCH = "batch"  # a study's user attribute under `batch: auto`: the batch size it measured, and its timings
 
 
 def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
@@ -206,6 +207,18 @@ class PruneOnEvaluation(RoundCallback):
 class Pruned(TrialDropped, optuna.TrialPruned):
     """A trial of a batch pruned (Optuna's pruner, or a rung of successive halving): dropped from its batch, its
     runs KILLED as a lone pruned trial's are."""
+
+
+class RoundTimes(RoundCallback):
+    """Each round's (trials it trained, seconds) into `times`: what `batch: auto` weighs (Search._measure_batch)."""
+
+    def __init__(self, times: list[tuple[int, float]]):
+        self.times = times
+
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        if "round_time_s" in result.metrics:
+            trials = len(result.trials) if isinstance(stage, TrialBatch) else 1
+            self.times.append((trials, result.metrics["round_time_s"]))
 
 
 class BatchEvaluations(RoundCallback):
@@ -346,6 +359,8 @@ class Search:
         self.rounds_trained = 0
         self._closed: set[str] = set()  # runs of dead trials already marked KILLED
         self._running: list[int] = []  # the ids of the trials this process runs (one, or a batch's)
+        self._round_times: list[tuple[int, float]] = []  # searched stages' rounds in batches: (trials, seconds)
+        self._batches = 0  # batches this process asked
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -376,7 +391,7 @@ class Search:
                 trials = self.study.get_trials(deepcopy=False, states=STARTED)
             waiting = sum(t.state == TrialState.WAITING for t in trials)
             if waiting or len(trials) < self.trials:
-                self._next(min(self.search.batch, waiting + max(0, self.trials - len(trials))))
+                self._next(min(self._batch_size(waiting), waiting + max(0, self.trials - len(trials))))
                 self._log_best()
                 continue
             self.lease.release()
@@ -389,11 +404,43 @@ class Search:
             self._log_report()
         return self._result()
 
+    def _batch_size(self, waiting: int) -> int:
+        """How many trials a process asks at once: `search.batch`, or under `auto` what the study measured (its
+        BATCH attribute) and, until it has, the trials waiting (trial 0 and the Sobol points: the first batch), at
+        least two."""
+        if self.search.batch != "auto":
+            return self.search.batch
+        measured = self.study.user_attrs.get(BATCH)
+        if measured:
+            return int(measured["size"])
+        batched = any(trials > 1 for trials, _ in self._round_times)
+        return 1 if batched else max(2, waiting)  # measured together: a trial alone next (trial 0's noise seed was not)
+
+    def _measure_batch(self) -> None:
+        """Under `batch: auto`, once a batch was asked and trials trained both together and alone (trial 0's noise
+        seed, alone, on the same stages, or else the next trial): the median seconds a trial's round of the searched
+        stages took in a batch against alone decide the study's batch size, recorded in its BATCH attribute: the size
+        of the batch measured where a trial's round is cheaper in it, else 1 (also where the batch's trials all
+        trained alone: the algorithm or the space does not batch)."""
+        together = [seconds / trials for trials, seconds in self._round_times if trials > 1]
+        alone = [seconds for trials, seconds in self._round_times if trials == 1]
+        if self.search.batch != "auto" or BATCH in self.study.user_attrs or not alone or not self._batches:
+            return
+        size = max(trials for trials, _ in self._round_times)
+        together_s, alone_s = (float(np.median(times)) if times else None for times in (together, alone))
+        chosen = size if together_s is not None and together_s < alone_s else 1
+        self.study.set_user_attr(BATCH, {"size": chosen, "measured_on": size, "round_s_together": together_s,
+                                         "round_s_alone": alone_s})
+        self.echo(f"batch: auto: a trial's round took {alone_s:.4f} s alone"
+                  + (f", {together_s:.4f} s in a batch of {size}" if together_s is not None else ", none batched")
+                  + f": trials train {chosen} at a time")
+
     def _next(self, count: int) -> None:
         """The next `count` trials (waiting ones first), created under the lease, which is released once they
         exist: one through Optuna's optimize, several asked at once and trained together (`_batch`)."""
         if count > 1:
             self._batch(self._ask(count))
+            self._measure_batch()
             return
         # Seeded by the trial count, which the lease makes unique: a single process is reproducible and two
         # processes never draw the same point.
@@ -403,6 +450,7 @@ class Search:
         except optuna.exceptions.UpdateFinishedTrialError:
             self.echo(OUTLIVED)
         self._running = []  # told; a stop raised out of optimize leaves it set (run: fail_interrupted)
+        self._measure_batch()
 
     def _ask(self, count: int) -> list[optuna.Trial]:
         """`count` trials asked (Optuna's ask takes the waiting ones first), each point drawn by the sampler seeded
@@ -528,6 +576,7 @@ class Search:
         still going on the next, trial 0 on its noise seed last (pipeline/trials.py), with heartbeats; each then
         told as a lone trial is. A crash fails them; a stop leaves them to run() (failed, and retried)."""
         self.lease.release()
+        self._batches += 1
         flights, start = [_InFlight(trial, self._values(trial)) for trial in asked], time.perf_counter()
         try:
             with heartbeats(self.study._storage, self._running):
@@ -568,10 +617,10 @@ class Search:
     def _batch_callbacks(self, trials: PipelineTrials, flights: list[_InFlight], seed: int,
                          first: bool) -> Callable[[int, list[int]], list[RoundCallback]]:
         """Per trained stage and its trials (positions in `flights`): as `_evaluation_callbacks` for each, and on
-        the first seed successive halving within the noise margin (once the study has one; studies/halving.py)."""
+        the first seed successive halving within the noise margin (once the study has one; studies/halving.py); the
+        round times `batch: auto` weighs."""
         objective, (before, searched) = self.search.objective[0], searched_rounds(self.spec)
-        if len(self.search.objective) > 1 or not objective.metric.startswith("val_"):
-            return lambda index, positions: []
+        judged = len(self.search.objective) == 1 and objective.metric.startswith("val_")
         margin = self._halving_margin() if first else None
         rungs = rung_steps(before, searched)
 
@@ -579,10 +628,13 @@ class Search:
             offsets = [sum(s.rounds for s in trials.runners[k].spec.stages[:index]) for k in positions]
             if min(offsets) < before:  # a stage before the searched ones reports nothing
                 return []
+            timing = self._timing()
+            if not judged:
+                return timing
             members = [PruneOnEvaluation(flights[k].trial if first else None, objective.metric, offset,
                                          flights[k].seen.setdefault(seed, Evaluations()))
                        for k, offset in zip(positions, offsets, strict=True)]
-            return [BatchEvaluations(members, rungs, margin, objective.direction == "maximize")]
+            return [*timing, BatchEvaluations(members, rungs, margin, objective.direction == "maximize")]
         return callbacks
 
     def _halving_margin(self) -> float | None:
@@ -628,9 +680,14 @@ class Search:
         keeps its rounds and evaluations in `seen` and, given the `trial`, prunes it, if the objective allows. A stage
         before the searched ones (shared, and trained only by the first study to need it) reports nothing."""
         metric, before = self.search.objective[0].metric, searched_rounds(self.spec)[0]
-        if len(self.search.objective) > 1 or not metric.startswith("val_"):
-            return lambda offset: []
-        return lambda offset: [] if offset < before else [PruneOnEvaluation(trial, metric, offset, seen)]
+        judged = len(self.search.objective) == 1 and metric.startswith("val_")
+        return lambda offset: [] if offset < before else [*self._timing(), *(
+            [PruneOnEvaluation(trial, metric, offset, seen)] if judged else [])]
+
+    def _timing(self) -> list[RoundCallback]:
+        """The callback keeping a searched stage's round times while `batch: auto` has not decided."""
+        undecided = self.search.batch == "auto" and BATCH not in self.study.user_attrs
+        return [RoundTimes(self._round_times)] if undecided else []
 
     def _value(self, result: Any, objective: Any) -> float:
         names = [s.name for s in self.spec.stages]

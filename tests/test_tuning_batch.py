@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
 from pathlib import Path
 
 import mlflow
@@ -18,7 +23,7 @@ from fedpilot.pipeline.trials import PipelineTrials
 from fedpilot.spec import PipelineSpec
 from fedpilot.studies.halving import due, losers, rung_steps
 from fedpilot.tracking import CHECKPOINTS_TAG, STUDY_TAG
-from fedpilot.tuning import Search, quiet_optuna
+from fedpilot.tuning import Search, fail_stale, quiet_optuna, study_storage
 from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
 from test_tuned_protocol import write_set
 
@@ -265,3 +270,37 @@ def test_batch_auto_measures_a_trials_round_together_and_alone_and_keeps_to_its_
         f"batch: auto: a trial's round took {measured['round_s_alone']:.4f} s alone, "
         f"{measured['round_s_together']:.4f} s in a batch of 2: trials train {measured['size']} at a time"]
     assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 5
+
+
+def test_a_batch_whose_process_is_killed_goes_stale_and_its_trials_are_retried(env):
+    slow = {**TINY, "evaluation": {"every": 10_000}, "search": {**SEARCH, "batch": 3},
+            "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 3000}]}
+    path, storage = write_pipeline(env, slow, "slow.yaml"), f"sqlite:///{env}/optuna.db"
+    script = ("from fedpilot.spec import load_pipeline; from fedpilot.tuning import Search; "
+              f"Search(load_pipeline({str(path)!r}, []), {storage!r}, heartbeat_seconds=1).run()")
+    victim = subprocess.Popen([sys.executable, "-c", script], cwd=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+
+    def rounds_logged() -> int:
+        """Rounds logged so far (read-only SQL, polled cheaply)."""
+        try:
+            with closing(sqlite3.connect(f"file:{env / 'mlflow.db'}?mode=ro", uri=True)) as reader:
+                return reader.execute("SELECT COUNT(*) FROM metrics WHERE key = 'train_loss'").fetchone()[0]
+        except sqlite3.OperationalError:  # not there yet, or locked by a write: ask again
+            return 0
+
+    deadline = time.monotonic() + 300
+    while rounds_logged() < 2 + 3 * 2 and time.monotonic() < deadline and victim.poll() is None:
+        time.sleep(0.1)  # pretraining logged, then the batch's rounds (each of its 3 trials logs its own)
+    time.sleep(4)  # longer than the grace period: a batch that beats stays alive
+    study = optuna.load_study(study_name="small", storage=study_storage(storage, 1))
+    fail_stale(study)
+    assert [t.state.name for t in study.get_trials()] == ["RUNNING"] * 3 and victim.poll() is None
+    victim.kill()  # SIGKILL: no handler runs, the batch's trials are left RUNNING
+    victim.wait()
+    time.sleep(4)  # past the grace period (3 heartbeats of 1 s) since the batch's last beat
+    again = Search(spec_of(slow, env), storage, heartbeat_seconds=1, echo=lambda line: None)  # whoever opens it next
+    trials = again.study.get_trials()
+    assert [t.state.name for t in trials] == ["FAIL"] * 3 + ["WAITING"] * 3  # lost: the batch in flight, retried
+    assert [(t.system_attrs["failed_trial"], t.params) for t in trials[3:]] == [(t.number, t.params)
+                                                                                for t in trials[:3]]

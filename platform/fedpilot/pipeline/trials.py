@@ -7,8 +7,9 @@ trials whose stage is the same (the same key: the stages before the first one th
 the others reuse it; the rest train as batches of trials wherever the stage's algorithm batches them and their values
 allow (`check_batch`), else one at a time. Every trial has its own MLflow pipeline run, stage runs, metrics, per-client
 tables and cache entries, so a batch and a lone rerun share results. A trial that diverges, or that a callback drops
-from its batch (a search's rung), stops there: its runs are FAILED with what they logged, and its later stages do not
-run. A killed batch is not resumed: its trials' finished stages stay in the cache, the batch in flight is lost.
+from its batch (a search's rung), stops there: its runs are FAILED with what they logged (KILLED where the callback's
+cause is a search's pruning), and its later stages do not run. A killed batch is not resumed: its trials' finished
+stages stay in the cache, the batch in flight is lost.
 """
 
 from __future__ import annotations

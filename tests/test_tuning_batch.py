@@ -304,3 +304,11 @@ def test_a_batch_whose_process_is_killed_goes_stale_and_its_trials_are_retried(e
     assert [t.state.name for t in trials] == ["FAIL"] * 3 + ["WAITING"] * 3  # lost: the batch in flight, retried
     assert [(t.system_attrs["failed_trial"], t.params) for t in trials[3:]] == [(t.number, t.params)
                                                                                 for t in trials[:3]]
+
+
+def test_fedpilot_search_trains_the_pipelines_batch(env):
+    path = write_pipeline(env, {**TINY, "search": {**SEARCH, "batch": 3}}, "tiny.yaml")
+    code, output = cli("search", str(path), "--storage", f"sqlite:///{env}/optuna.db")
+    assert code == 0, output
+    told = [line for line in output.splitlines() if line.startswith("trial ")]
+    assert len(told) == 3 and all("val_acc_weighted=" in line and line.endswith("in a batch of 3") for line in told)

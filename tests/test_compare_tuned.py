@@ -213,6 +213,7 @@ def finished_units(client: MlflowClient) -> list:
     ([], {"space": {"nope": {"stages.1.local.lr": {"type": "float", "low": 0.1, "high": 1}}}},
      "tune.space.nope='nope': not the name of a pipeline of the set"),
     ([], {"edge_trials": -1}, "tune.edge_trials=-1"),
+    ([], {"batch": 0}, "tune.batch=0"),
     ([], {"trials": -3}, "tune.trials=-3"),
     ([], {"budget": "everything"}, "tune.budget='everything'"),
 ])

@@ -11,6 +11,9 @@ A study starts with trial 0 (a comparison's pipeline as written) and scrambled S
 TPE (studies/points.py); trial 0 also trains a second seed, whose evaluations measure the noise the pruner's margin
 is made of (studies/pruner.py); once its trials are done, a best value near an edge of its range grows the range
 and spends `edge_trials` further trials beyond it (studies/edges.py).
+
+With `batch: K` (K > 1) a process asks K trials at once and trains them together (pipeline/trials.py), each recorded
+and told as a lone trial; inside the batch, successive halving drops the losers at its rungs (studies/halving.py).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import copy
 import hashlib
 import json
 import math
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,15 +39,18 @@ from optuna.trial import TrialState
 
 from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
+from fedpilot.engine.trials import TrialBatch
 from fedpilot.errors import Diverged, SearchError, SpecError
 from fedpilot.leases import NamedLease
 from fedpilot.pipeline.runner import PipelineRunner
+from fedpilot.pipeline.trials import PipelineTrials, TrialDropped
 from fedpilot.report import log_report
 from fedpilot.schema import SEED_MAX
 from fedpilot.settings import check_database, tracking_uri
 from fedpilot.spec import Param, PipelineSpec, with_values
 from fedpilot.stats.keys import key_labels
 from fedpilot.studies.edges import EDGES, edge_of, extensible, flags, grown, with_grown
+from fedpilot.studies.halving import due, losers, rung_steps
 from fedpilot.studies.points import BEYOND_EDGE, ORIGIN, SOBOL, TPE, WRITTEN, sobol_points, startup_count
 from fedpilot.studies.pruner import CURVES, MarginPruner, curve_attr, seed_margin
 from fedpilot.tracking import (
@@ -105,6 +113,7 @@ def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
 
 
 NOISE = "noise"  # a trial's user attribute: it also trains the study's noise seed(s)
+BATCH = "batch"  # a study's user attribute under `batch: auto`: the batch size it measured, and its timings
 
 
 def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
@@ -123,10 +132,11 @@ def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
 
 def design_seed(spec: PipelineSpec, seeds: tuple[int, ...]) -> int:
     """A seed of the study's own, from what decides its trials but their number (the pipeline, its space,
-    objective, sampler and pruner, the seeds it trains on): two studies never try the same relative points, and a
-    study asked for more trials starts with the same ones (the stage cache then has them)."""
+    objective, sampler and pruner, the seeds it trains on; not how many trials train together): two studies never try
+    the same relative points, and a study asked for more trials starts with the same ones (the stage cache then has
+    them)."""
     what = {k: v for k, v in spec.resolved().items() if k != "tracking"}
-    what["search"] = {k: v for k, v in what["search"].items() if k not in ("trials", "study")}
+    what["search"] = {k: v for k, v in what["search"].items() if k not in ("trials", "study", "batch")}
     blob = json.dumps({"spec": what, "seeds": list(seeds)}, sort_keys=True).encode()
     return int(hashlib.sha256(blob).hexdigest()[:8], 16)
 
@@ -175,17 +185,74 @@ class PruneOnEvaluation(RoundCallback):
         self.seen = Evaluations() if seen is None else seen
 
     def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        pruned = self.evaluated(result)
+        if pruned:
+            raise optuna.TrialPruned(pruned)
+
+    def evaluated(self, result: RoundResult) -> str | None:
+        """The trial's round `result` counted and its evaluation recorded and reported; why Optuna prunes the trial
+        now (None: it goes on)."""
         self.seen.rounds += 1
         value = result.metrics.get(self.metric)
         if value is None or not math.isfinite(value):
-            return
+            return None
         step = self.offset + result.round
         self.seen.curve.append((step, value))
         if self.trial is None:
-            return
+            return None
         self.trial.report(value, step)
-        if self.trial.should_prune():
-            raise optuna.TrialPruned(f"pruned at round {step}: {self.metric}={value:.4f}")
+        return f"pruned at round {step}: {self.metric}={value:.4f}" if self.trial.should_prune() else None
+
+
+class Pruned(TrialDropped, optuna.TrialPruned):
+    """A trial of a batch pruned (Optuna's pruner, or a rung of successive halving): dropped from its batch, its
+    runs KILLED as a lone pruned trial's are."""
+
+
+class RoundTimes(RoundCallback):
+    """Each round's (trials it trained, seconds) into `times`: what `batch: auto` weighs (Search._measure_batch)."""
+
+    def __init__(self, times: list[tuple[int, float]]):
+        self.times = times
+
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        if "round_time_s" in result.metrics:
+            trials = len(result.trials) if isinstance(stage, TrialBatch) else 1
+            self.times.append((trials, result.metrics["round_time_s"]))
+
+
+class BatchEvaluations(RoundCallback):
+    """PruneOnEvaluation for each trial of a batch (`members`, by position in the batch; a trial trained alone: one
+    member), and successive halving at the `rungs` (steps; studies/halving.py) within `margin` (None: no halving):
+    a trial pruned or losing at a rung leaves the batch (`TrialBatch.drop`), one trained alone stops (Pruned)."""
+
+    def __init__(self, members: list[PruneOnEvaluation], rungs: list[int], margin: float | None, maximize: bool):
+        self.members, self.rungs, self.margin, self.maximize = members, rungs, margin, maximize
+        self.passed = 0  # rungs judged
+
+    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
+        batched = isinstance(stage, TrialBatch)
+        rounds = result.trials if batched else {0: result}
+        pruned = {j: why for j, r in rounds.items() if (why := self.members[j].evaluated(r))}
+        pruned |= {j: why for j, why in self._halved(rounds).items() if j not in pruned}
+        if pruned and not batched:
+            raise Pruned(pruned[0])
+        for j, why in sorted(pruned.items()):
+            stage.drop([j], cause=Pruned(why))
+
+    def _halved(self, rounds: Mapping[int, RoundResult]) -> dict[int, str]:
+        """The trials losing at a rung this round reaches (with why), judged on the evaluation it made."""
+        metric = self.members[0].metric
+        values = {j: r.metrics.get(metric, math.nan) for j, r in rounds.items()}
+        steps = [self.members[j].offset + r.round for j, r in rounds.items() if metric in r.metrics]
+        if self.margin is None or len(values) < 2 or not steps:
+            return {}
+        passed = due(self.rungs, self.passed, max(steps))
+        if passed == self.passed:
+            return {}
+        self.passed = passed
+        return {j: f"halved at round {max(steps)}: {metric}={values[j]:.4f}, not within the best third or "
+                   f"{self.margin:.4f} of the best" for j in losers(values, self.margin, self.maximize)}
 
 
 @dataclass(frozen=True)
@@ -291,7 +358,9 @@ class Search:
         self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
         self.rounds_trained = 0
         self._closed: set[str] = set()  # runs of dead trials already marked KILLED
-        self._running: int | None = None  # the id of the trial this process runs
+        self._running: list[int] = []  # the ids of the trials this process runs (one, or a batch's)
+        self._round_times: list[tuple[int, float]] = []  # searched stages' rounds in batches: (trials, seconds)
+        self._batches = 0  # batches this process asked
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -301,8 +370,8 @@ class Search:
         try:
             result = self._trials()
         except BaseException as err:
-            if isinstance(err, STOPPED) and self._running is not None:
-                fail_interrupted(self.study, self._running, caught=isinstance(err, KeyboardInterrupt))
+            for trial_id in self._running if isinstance(err, STOPPED) else ():
+                fail_interrupted(self.study, trial_id, caught=isinstance(err, KeyboardInterrupt))
             self.tracker.fail([self.run_id], err)
             raise
         self.tracker.finish(self.run_id)
@@ -320,18 +389,9 @@ class Search:
             if len(trials) >= self.trials and not _busy(trials) and EDGES not in self.study.user_attrs:
                 self._grow_edges()
                 trials = self.study.get_trials(deepcopy=False, states=STARTED)
-            waiting = any(t.state == TrialState.WAITING for t in trials)
+            waiting = sum(t.state == TrialState.WAITING for t in trials)
             if waiting or len(trials) < self.trials:
-                # Seeded by the trial count, which the lease makes unique: a single process is reproducible and
-                # two processes never draw the same point.
-                self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
-                try:
-                    # releases the lease once the trial exists
-                    self.study.optimize(self._objective, n_trials=1, callbacks=list(self.scope.callbacks))
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    self.echo("a trial outlived its heartbeat grace period and was failed by another process; "
-                              "it is retried")
-                self._running = None  # told; a stop raised out of optimize leaves it set (run: fail_interrupted)
+                self._next(min(self._batch_size(waiting), waiting + max(0, self.trials - len(trials))))
                 self._log_best()
                 continue
             self.lease.release()
@@ -343,6 +403,67 @@ class Search:
         if self.scope.report:
             self._log_report()
         return self._result()
+
+    def _batch_size(self, waiting: int) -> int:
+        """How many trials a process asks at once: `search.batch`, or under `auto` what the study measured (its
+        BATCH attribute) and, until it has, the trials waiting (trial 0 and the Sobol points: the first batch), at
+        least two."""
+        if self.search.batch != "auto":
+            return self.search.batch
+        measured = self.study.user_attrs.get(BATCH)
+        if measured:
+            return int(measured["size"])
+        batched = any(trials > 1 for trials, _ in self._round_times)
+        return 1 if batched else max(2, waiting)  # measured together: a trial alone next (trial 0's noise seed was not)
+
+    def _measure_batch(self) -> None:
+        """Under `batch: auto`, once a batch was asked and trials trained both together and alone (trial 0's noise
+        seed, alone, on the same stages, or else the next trial): the median seconds a trial's round of the searched
+        stages took in a batch against alone decide the study's batch size, recorded in its BATCH attribute: the size
+        of the batch measured where a trial's round is cheaper in it, else 1 (also where the batch's trials all
+        trained alone: the algorithm or the space does not batch)."""
+        together = [seconds / trials for trials, seconds in self._round_times if trials > 1]
+        alone = [seconds for trials, seconds in self._round_times if trials == 1]
+        if self.search.batch != "auto" or BATCH in self.study.user_attrs or not alone or not self._batches:
+            return
+        size = max(trials for trials, _ in self._round_times)
+        together_s, alone_s = (float(np.median(times)) if times else None for times in (together, alone))
+        chosen = size if together_s is not None and together_s < alone_s else 1
+        self.study.set_user_attr(BATCH, {"size": chosen, "measured_on": size, "round_s_together": together_s,
+                                         "round_s_alone": alone_s})
+        self.echo(f"batch: auto: a trial's round took {alone_s:.4f} s alone"
+                  + (f", {together_s:.4f} s in a batch of {size}" if together_s is not None else ", none batched")
+                  + f": trials train {chosen} at a time")
+
+    def _next(self, count: int) -> None:
+        """The next `count` trials (waiting ones first), created under the lease, which is released once they
+        exist: one through Optuna's optimize, several asked at once and trained together (`_batch`)."""
+        if count > 1:
+            self._batch(self._ask(count))
+            self._measure_batch()
+            return
+        # Seeded by the trial count, which the lease makes unique: a single process is reproducible and two
+        # processes never draw the same point.
+        self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
+        try:
+            self.study.optimize(self._objective, n_trials=1, callbacks=list(self.scope.callbacks))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self.echo(OUTLIVED)
+        self._running = []  # told; a stop raised out of optimize leaves it set (run: fail_interrupted)
+        self._measure_batch()
+
+    def _ask(self, count: int) -> list[optuna.Trial]:
+        """`count` trials asked (Optuna's ask takes the waiting ones first), each point drawn by the sampler seeded
+        with the trial count as a lone trial's is, each beating at once (a trial that never beat is never stale)."""
+        asked = []
+        for _ in range(count):
+            self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
+            with warnings.catch_warnings():  # that ask's trials get no heartbeat: these beat (heartbeats)
+                warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+                asked.append(self.study.ask())
+            self._running.append(asked[-1]._trial_id)
+            self.study._storage.record_heartbeat(asked[-1]._trial_id)
+        return asked
 
     def _sampler(self, offset: int) -> optuna.samplers.BaseSampler:
         return make_sampler(self.spec, offset, self.design, self.startup + (self.scope.first is not None))
@@ -386,12 +507,17 @@ class Search:
             return False
         return True
 
-    def _objective(self, trial: optuna.Trial) -> float | list[float]:
-        self.lease.release()
-        self._running = trial._trial_id
+    def _values(self, trial: optuna.Trial) -> dict[str, Any]:
+        """The trial's point in the space, and which rule chose it (a trial asked of the sampler: the sampler)."""
         values = {key: suggest(trial, key, param) for key, param in self.space().items()}
         if ORIGIN not in trial.user_attrs:
             trial.set_user_attr(ORIGIN, TPE if self.search.sampler.kind == "tpe" else self.search.sampler.kind)
+        return values
+
+    def _objective(self, trial: optuna.Trial) -> float | list[float]:
+        self.lease.release()
+        self._running = [trial._trial_id]
+        values = self._values(trial)
         seeds = self.seeds
         extra = [s for s in self.noise if s not in seeds] if trial.user_attrs.get(NOISE) else []
         start, seen = time.perf_counter(), {}
@@ -401,18 +527,22 @@ class Search:
             for seed in extra:  # the noise seed: its evaluations only, for the pruner's margin
                 self._trained(trial, values, seed, seen, first=False)
         except optuna.TrialPruned:
-            self.echo(f"trial {trial.number}: {_short(values)} -> pruned ({time.perf_counter() - start:.1f} s)")
+            self._said(trial.number, values, "pruned", time.perf_counter() - start)
             raise
         except Diverged as err:  # a step size too large for the space: the trial counts, as the worst, and the
             # search goes on (its run is FAILED); a failed trial would be retried for ever
-            self.echo(f"trial {trial.number}: {_short(values)} -> diverged ({time.perf_counter() - start:.1f} s): "
-                      f"{err}")
+            self._said(trial.number, values, "diverged", time.perf_counter() - start, f": {err}")
             raise optuna.TrialPruned(str(err)) from None
-        self.echo(f"trial {trial.number}: {_short(values)} -> "
-                  + ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True))
-                  + f" ({time.perf_counter() - start:.1f} s)"
-                  + (f" over seeds {list(seeds)}" if len(seeds) > 1 else ""))
+        self._said(trial.number, values, self._shown(objectives), time.perf_counter() - start)
         return float(objectives[0]) if len(objectives) == 1 else [float(v) for v in objectives]
+
+    def _shown(self, objectives: Any) -> str:
+        """A trial's objectives as its line shows them, with the seeds they are the mean over."""
+        return ", ".join(f"{o.metric}={v:.4f}" for o, v in zip(self.search.objective, objectives, strict=True)) + (
+            f" over seeds {list(self.seeds)}" if len(self.seeds) > 1 else "")
+
+    def _said(self, number: int, values: dict[str, Any], outcome: str, seconds: float, tail: str = "") -> None:
+        self.echo(f"trial {number}: {_short(values)} -> {outcome} ({seconds:.1f} s){tail}")
 
     def _trained(self, trial: optuna.Trial, values: dict[str, Any], seed: int, seen: dict[int, Evaluations],
                  first: bool) -> list[float]:
@@ -422,19 +552,119 @@ class Search:
         evaluations = seen.setdefault(seed, Evaluations())
         runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
                                 extra_callbacks=self._evaluation_callbacks(trial if first else None, evaluations))
-        noise = seed not in self.seeds
-        name = trial_name(self.spec.name, trial.number, values, [s.name for s in self.spec.stages]) + (
-            "" if first and not self.scope.seeds else f" seed {seed}") + (" (noise)" if noise else "")
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
         try:
-            tags = {TRIAL_TAG: str(trial.number), STUDY_TAG: self.study_name, SEED_TAG: str(seed),
-                    **({NOISE_SEED_TAG: "true"} if noise else {})}
-            result = runner.run(parent=self.run_id, tags=tags, started=started, name=name)
+            result = runner.run(parent=self.run_id, tags=self._tags(trial, seed), started=started,
+                                name=self._run_name(trial, values, seed, first))
         finally:
             self.rounds_trained += runner.rounds_trained
-            trial.set_user_attr("rounds", sum(e.rounds for e in seen.values()))
-            trial.set_user_attr(CURVES, curve_attr({s: e.curve for s, e in seen.items()}))
+            _record_evaluations(trial, seen)
         return [self._value(result, o) for o in self.search.objective]
+
+    def _run_name(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> str:
+        """The MLflow name of the trial's pipeline run on `seed` (its first seed's bare where the search has one)."""
+        return trial_name(self.spec.name, trial.number, values, [s.name for s in self.spec.stages]) + (
+            "" if first and not self.scope.seeds else f" seed {seed}") + (" (noise)" if seed not in self.seeds else "")
+
+    def _tags(self, trial: optuna.Trial, seed: int) -> dict[str, str]:
+        return {TRIAL_TAG: str(trial.number), STUDY_TAG: self.study_name, SEED_TAG: str(seed),
+                **({NOISE_SEED_TAG: "true"} if seed not in self.seeds else {})}
+
+    # ---- a batch of trials -------------------------------------------------------------------------------
+    def _batch(self, asked: list[optuna.Trial]) -> None:
+        """The `asked` trials (the lease released: they exist) trained together on each tuning seed in turn, those
+        still going on the next, trial 0 on its noise seed last (pipeline/trials.py), with heartbeats; each then
+        told as a lone trial is. A crash fails them; a stop leaves them to run() (failed, and retried)."""
+        self.lease.release()
+        self._batches += 1
+        flights, start = [_InFlight(trial, self._values(trial)) for trial in asked], time.perf_counter()
+        try:
+            with heartbeats(self.study._storage, self._running):
+                for i, seed in enumerate(self.seeds):
+                    self._batch_on(seed, [f for f in flights if f.stopped is None], first=i == 0)
+                noisy = [f for f in flights if f.stopped is None and f.trial.user_attrs.get(NOISE)]
+                for seed in [s for s in self.noise if s not in self.seeds] if noisy else []:
+                    self._batch_on(seed, noisy, first=False)
+        except Exception:
+            for trial in asked:  # what optimize does with a trial that raised
+                if self.study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+                    self.study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            self._running = []
+            raise
+        for flight in flights:
+            self._tell(flight, time.perf_counter() - start, len(flights))
+        self._running = []
+
+    def _batch_on(self, seed: int, flights: list[_InFlight], first: bool) -> None:
+        """The `flights` trained together on `seed` (pruned and halved on the first seed's evaluations), each
+        trial's outcome, evaluations and rounds kept as `_trained` keeps a lone trial's."""
+        trials = PipelineTrials(with_values(self.spec, {"seed": seed}), [f.values for f in flights], self.cache_dir)
+        started = (lambda j, run_id: flights[j].trial.set_user_attr("mlflow_run_id", run_id)) if first else (
+            lambda j, run_id: None)
+        try:
+            outcomes = trials.run(self.run_id, None, [self._run_name(f.trial, f.values, seed, first) for f in flights],
+                                  self._batch_callbacks(trials, flights, seed, first),
+                                  [self._tags(f.trial, seed) for f in flights], started)
+        finally:
+            self.rounds_trained += trials.rounds_trained
+            for flight in flights:
+                _record_evaluations(flight.trial, flight.seen)
+        for flight, outcome in zip(flights, outcomes, strict=True):
+            flight.stopped = outcome.stopped
+            if outcome.result is not None and seed in self.seeds:
+                flight.objectives.append([self._value(outcome.result, o) for o in self.search.objective])
+
+    def _batch_callbacks(self, trials: PipelineTrials, flights: list[_InFlight], seed: int,
+                         first: bool) -> Callable[[int, list[int]], list[RoundCallback]]:
+        """Per trained stage and its trials (positions in `flights`): as `_evaluation_callbacks` for each, and on
+        the first seed successive halving within the noise margin (once the study has one; studies/halving.py); the
+        round times `batch: auto` weighs."""
+        objective, (before, searched) = self.search.objective[0], searched_rounds(self.spec)
+        judged = len(self.search.objective) == 1 and objective.metric.startswith("val_")
+        margin = self._halving_margin() if first else None
+        rungs = rung_steps(before, searched)
+
+        def callbacks(index: int, positions: list[int]) -> list[RoundCallback]:
+            offsets = [sum(s.rounds for s in trials.runners[k].spec.stages[:index]) for k in positions]
+            if min(offsets) < before:  # a stage before the searched ones reports nothing
+                return []
+            timing = self._timing()
+            if not judged:
+                return timing
+            members = [PruneOnEvaluation(flights[k].trial if first else None, objective.metric, offset,
+                                         flights[k].seen.setdefault(seed, Evaluations()))
+                       for k, offset in zip(positions, offsets, strict=True)]
+            return [*timing, BatchEvaluations(members, rungs, margin, objective.direction == "maximize")]
+        return callbacks
+
+    def _halving_margin(self) -> float | None:
+        """The margin a rung keeps a trial within of the best: the pruner's (`auto`: twice the noise between seeds,
+        None until trial 0's noise seed measured it); None without a pruner."""
+        pruner = self.search.pruner
+        if pruner.kind == "none":
+            return None
+        return float(pruner.margin) if pruner.margin != "auto" else seed_margin(self.study.get_trials(deepcopy=False))
+
+    def _tell(self, flight: _InFlight, seconds: float, size: int) -> None:
+        """A trial of a batch told as optimize tells a lone one: COMPLETE with its mean over the seeds, PRUNED
+        (pruned, halved or diverged: its intermediate values kept) or FAIL; its line said, the scope's callbacks
+        called."""
+        stopped, tail = flight.stopped, f" in a batch of {size}"
+        try:
+            if stopped is None:
+                objectives = np.mean(flight.objectives, 0)
+                told = self.study.tell(flight.trial, [float(v) for v in objectives])
+                outcome = self._shown(objectives)
+            else:
+                state = TrialState.FAIL if stopped["why"] == "failed" else TrialState.PRUNED
+                told = self.study.tell(flight.trial, state=state)
+                outcome, tail = ("failed" if state == TrialState.FAIL else "pruned"), f"{tail}: {stopped['error']}"
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self.echo(OUTLIVED)
+            return
+        self._said(flight.trial.number, flight.values, outcome, seconds, tail)
+        for callback in self.scope.callbacks:
+            callback(self.study, told)
 
     def _close_dead_trials(self) -> None:
         """The MLflow runs of trials whose process died (failed as stale) are KILLED instead of RUNNING for ever."""
@@ -450,9 +680,14 @@ class Search:
         keeps its rounds and evaluations in `seen` and, given the `trial`, prunes it, if the objective allows. A stage
         before the searched ones (shared, and trained only by the first study to need it) reports nothing."""
         metric, before = self.search.objective[0].metric, searched_rounds(self.spec)[0]
-        if len(self.search.objective) > 1 or not metric.startswith("val_"):
-            return lambda offset: []
-        return lambda offset: [] if offset < before else [PruneOnEvaluation(trial, metric, offset, seen)]
+        judged = len(self.search.objective) == 1 and metric.startswith("val_")
+        return lambda offset: [] if offset < before else [*self._timing(), *(
+            [PruneOnEvaluation(trial, metric, offset, seen)] if judged else [])]
+
+    def _timing(self) -> list[RoundCallback]:
+        """The callback keeping a searched stage's round times while `batch: auto` has not decided."""
+        undecided = self.search.batch == "auto" and BATCH not in self.study.user_attrs
+        return [RoundTimes(self._round_times)] if undecided else []
 
     def _value(self, result: Any, objective: Any) -> float:
         names = [s.name for s in self.spec.stages]
@@ -536,6 +771,47 @@ class Search:
             best_values, best_params = list(best.values), dict(best.params)
         return SearchResult(self.study_name, self.run_id, len(finished), pruned, best_values, best_params,
                             self.rounds_trained)
+
+
+OUTLIVED = "a trial outlived its heartbeat grace period and was failed by another process; it is retried"
+
+
+@dataclass
+class _InFlight:
+    """A trial of a batch while it trains: its point, its evaluations per seed, its objectives per tuning seed
+    trained, and where it stopped (TrialOutcome.stopped; None: going)."""
+
+    trial: optuna.Trial
+    values: dict[str, Any]
+    seen: dict[int, Evaluations] = field(default_factory=dict)
+    objectives: list[list[float]] = field(default_factory=list)
+    stopped: dict[str, Any] | None = None
+
+
+def _record_evaluations(trial: optuna.Trial, seen: dict[int, Evaluations]) -> None:
+    """The trial's rounds trained and per seed evaluations (CURVES: the pruner's margin) as its user attributes."""
+    trial.set_user_attr("rounds", sum(e.rounds for e in seen.values()))
+    trial.set_user_attr(CURVES, curve_attr({s: e.curve for s, e in seen.items()}))
+
+
+@contextmanager
+def heartbeats(storage: Any, trial_ids: list[int]) -> Iterator[None]:
+    """The heartbeats of `trial_ids` while the block runs, what optimize sends for its one trial: a batch whose
+    process died goes stale, and is failed and retried, as a lone trial is."""
+    interval, stop = storage.get_heartbeat_interval(), threading.Event()
+
+    def beat() -> None:
+        while interval and not stop.wait(interval):
+            for trial_id in trial_ids:
+                storage.record_heartbeat(trial_id)
+
+    thread = threading.Thread(target=beat, daemon=True, name="fedpilot-heartbeats")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _busy(trials: list[optuna.trial.FrozenTrial]) -> bool:

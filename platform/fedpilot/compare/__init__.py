@@ -8,7 +8,7 @@ first pipeline), the seeds, optionally overrides applied to every pipeline, and 
     baseline: digits-k2-baselines         # the `name` of one of the pipelines (default: the first)
     seeds: 3                              # seeds 0, 1, 2 (or a list)
     pipelines: [../digits-k2-baselines.yaml, ../digits-k2-ditto.yaml]
-    tune: {trials: 8}                     # optional: objective, seeds, sampler, pruner, tune_budget, untuned
+    tune: {trials: 8}                     # optional: objective, seeds, sampler, pruner, tune_budget, untuned, batch
 
 Each pipeline runs once per seed with its `seed` set to it (a different partition and initialisation, the same for
 every pipeline of that seed, so a shared pretraining stage is trained once per seed and reused from the stage

@@ -33,6 +33,7 @@ from fedpilot.spec import (
     with_values,
     written_values,
 )
+from fedpilot.spec.search_spec import check_batch
 
 MAX_SEEDS = 1000  # every seed runs each pipeline of the set, all checked before the first runs: more is a typo
 MAX_EDGE_TRIALS = 20  # further trials a study spends beyond one edge of a range: more would be another search
@@ -49,7 +50,8 @@ class TuneSpec(Strict):
     space: per pipeline name, a written space (spec keys -> ranges) instead of its algorithms' declared ones (`auto`);
     a range that excludes the pipeline's written value is widened to include it (trial 0 is the pipeline as written)
     unless `widen: false`, which refuses it. tune_budget: also search what changes a client's work or model size.
-    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. splits: `fixed`
+    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. batch: the trials
+    a study asks at once and trains together (its search's `batch`; `auto`: measured). splits: `fixed`
     (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut per seed) or
     `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning seed's
     train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs tuned)."""
@@ -64,6 +66,7 @@ class TuneSpec(Strict):
     tune_budget: bool = False
     budget: Literal["per_method", "per_dimension"] = "per_method"
     edge_trials: int = Field(2, ge=0, le=MAX_EDGE_TRIALS)
+    batch: int | Literal["auto"] = 1
     splits: Literal["fixed", "train_val", "redraw"] = "fixed"
     untuned: bool = False
 
@@ -77,6 +80,11 @@ class TuneSpec(Strict):
             raise ValueError(f"not a recorded validation metric or footprint (e.g. val_acc_mean, val_acc_p10, "
                              f"val_mse_mean; all: {', '.join(OBJECTIVE_METRICS[:6])}, ...)")
         return objective
+
+    @field_validator("batch", mode="before")
+    @classmethod
+    def _some_trials(cls, batch: Any) -> Any:
+        return check_batch(batch)
 
 
 class ComparisonSpec(Strict):
@@ -314,7 +322,7 @@ def _tuning_specs(comparison: ComparisonSpec, specs: dict[str, dict[int, Pipelin
             "space": {k: p.model_dump(exclude_none=True) for k, p in space.items()}}
         search |= {"objective": tune.objective or f"val_{primary(written.dataset.task)}_mean", "trials": 1,
                    "edge_trials": tune.edge_trials, "sampler": tune.sampler.model_dump(),
-                   "pruner": tune.pruner.model_dump()}
+                   "pruner": tune.pruner.model_dump(), "batch": tune.batch}
         spec = _tuning_spec({**written.resolved(), "seed": seed, "search": search}, comparison, i,
                             "" if space is None else f"tune.space.{name}.")
         if space is not None:
@@ -374,7 +382,7 @@ def study_name(pipeline: str, spec: PipelineSpec, seeds: list[int]) -> str:
     from fedpilot.data.federated import fingerprint
 
     what = {k: v for k, v in spec.resolved().items() if k != "tracking"}
-    what["search"] = {k: v for k, v in what["search"].items() if k != "study"}
+    what["search"] = {k: v for k, v in what["search"].items() if k not in ("study", "batch")}  # batch: how, not what
     redrawn = spec.dataset.split.redraw or spec.dataset.seed is None  # a seed's own train/val, or federation
     what |= {"seeds": seeds, "federations": [fingerprint(spec.dataset, spec.dataset.seed if spec.dataset.seed is not
                                                          None else seed, seed if spec.dataset.split.redraw else None)

@@ -49,7 +49,7 @@ class TrialBatch(L.LightningModule):
         self.algorithm = batch_algorithm(stages)
         self.active = list(range(len(stages)))
         self.stopped: dict[int, dict[str, Any]] = {}  # trial -> {"round": rounds done, "why": ..., "error": ...}
-        self.errors: dict[int, BaseException] = {}  # a diverged trial's error, in this process
+        self.errors: dict[int, BaseException] = {}  # a diverged trial's error, or why one was dropped, in this process
         for stage in stages[1:]:  # one executor for the batch: the lead's, timed on the batch's first chunk
             stage.executor_choice = stages[0].executor_choice
         self.round_result: RoundResult | None = None
@@ -115,16 +115,19 @@ class TrialBatch(L.LightningModule):
                                         MappingProxyType(finished))
 
     def drop(self, trials: Iterable[int], why: str = STOPPED_DROPPED, error: str = "",
-             rounds: int | None = None) -> None:
+             rounds: int | None = None, cause: BaseException | None = None) -> None:
         """Trials `trials` leave the batch: from the next round their rows leave the computation (the batch gets
         cheaper); their stages keep what they recorded (their validation at every evaluation so far). `rounds`:
-        the rounds they trained (default: those the batch has done)."""
+        the rounds they trained (default: those the batch has done); `cause`: the error their runs end with (a
+        search's pruning: KILLED, not FAILED)."""
         done = self.global_step if rounds is None else rounds
         for k in trials:
             if k not in self.active:
                 raise ValueError(f"trial {k} is not in the batch (still training: {self.active})")
             self.active.remove(k)
-            self.stopped[k] = {"round": done, "why": why, "error": error}
+            self.stopped[k] = {"round": done, "why": why, "error": error or str(cause or "")}
+            if cause is not None:
+                self.errors[k] = cause
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Each trial's records and server state, the batch's trials still training and those stopped, the executor

@@ -7,8 +7,9 @@ trials whose stage is the same (the same key: the stages before the first one th
 the others reuse it; the rest train as batches of trials wherever the stage's algorithm batches them and their values
 allow (`check_batch`), else one at a time. Every trial has its own MLflow pipeline run, stage runs, metrics, per-client
 tables and cache entries, so a batch and a lone rerun share results. A trial that diverges, or that a callback drops
-from its batch (a search's rung), stops there: its runs are FAILED with what they logged, and its later stages do not
-run. A killed batch is not resumed: its trials' finished stages stay in the cache, the batch in flight is lost.
+from its batch (a search's rung), stops there: its runs are FAILED with what they logged (KILLED where the callback's
+cause is a search's pruning), and its later stages do not run. A killed batch is not resumed: its trials' finished
+stages stay in the cache, the batch in flight is lost.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from lightning.pytorch.callbacks import Callback
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.stage import FederatedStage
-from fedpilot.engine.trials import TrialBatch, check_batch
-from fedpilot.errors import SpecError, StageFailed
+from fedpilot.engine.trials import STOPPED_DIVERGED, STOPPED_DROPPED, TrialBatch, check_batch
+from fedpilot.errors import Diverged, SpecError, StageFailed
 from fedpilot.overview import applicable
 from fedpilot.pipeline.cache import stage_keys
 from fedpilot.pipeline.round_metrics import RoundMetrics
@@ -38,7 +39,8 @@ BatchCallbacks = Callable[[int, list[int]], list[Callback]]  # (stage index, tri
 
 
 class TrialDropped(Exception):
-    """A trial taken out of its batch by a callback (a search's rung): what its runs record as their error."""
+    """A trial taken out of its batch by a callback (a search's rung): what its runs record as their error (the
+    callback's own, given to `TrialBatch.drop` as `cause`, or raised by it where the trial trains alone)."""
 
 
 @dataclass
@@ -74,6 +76,7 @@ class PipelineTrials:
         self.values = [dict(v) for v in values]
         self.base = PipelineRunner(spec, cache_dir, progress=False)
         self.runners = [self.runner_for(v) for v in self.values]
+        self.rounds_trained = 0  # by every trial, in this process (a batch of K trials' round counts K)
 
     def runner_for(self, values: dict[str, Any]) -> PipelineRunner:
         """A runner of the pipeline with `values` set, sharing the base runner's data, tracker and cache."""
@@ -87,13 +90,20 @@ class PipelineTrials:
         return runner
 
     def run(self, parent: str | None = None, tags: dict[str, str] | None = None,
-            names: Sequence[str | None] | None = None, callbacks: BatchCallbacks | None = None) -> list[TrialOutcome]:
-        """Every trial, each its own pipeline run (nested under `parent`, with `tags`, named by `names`); `callbacks`
-        gives the callbacks of each stage's training (a batch's `RoundResult.trials` are by position in the trials
-        it is given). The trials' outcomes, in the order of the values."""
+            names: Sequence[str | None] | None = None, callbacks: BatchCallbacks | None = None,
+            trial_tags: Sequence[dict[str, str]] | None = None,
+            started: Callable[[int, str], None] = lambda k, run_id: None) -> list[TrialOutcome]:
+        """Every trial, each its own pipeline run (nested under `parent`, with `tags` and its own `trial_tags`, named
+        by `names`; `started(k, run_id)` as soon as trial k's run exists); `callbacks` gives the callbacks of each
+        stage's training (a batch's `RoundResult.trials` are by position in the trials it is given; a callback of a
+        trial trained alone stops it by raising TrialDropped). The trials' outcomes, in the order of the values."""
         names = names or [None] * len(self.runners)
-        trials = [_Trial(r, r.open_run(None, parent, tags, name)[0], r._each_stage(), [])
-                  for r, name in zip(self.runners, names, strict=True)]
+        trial_tags = trial_tags or [{}] * len(self.runners)
+        trials = []
+        for k, (runner, name, own) in enumerate(zip(self.runners, names, trial_tags, strict=True)):
+            trials.append(_Trial(runner, runner.open_run(None, parent, {**(tags or {}), **own}, name)[0],
+                                 runner._each_stage(), []))
+            started(k, trials[-1].run_id)
         outcomes = [TrialOutcome(v) for v in self.values]
         try:
             for index in range(len(self.base.spec.stages)):
@@ -158,10 +168,15 @@ class PipelineTrials:
         try:
             trial.outcomes.append(runner._train(trial.run_id, index, run_id, stage, split, key, False, before,
                                                 trial.rounds))
-        except StageFailed as err:
+        except (StageFailed, TrialDropped) as err:  # a callback of a trial alone stops it by raising TrialDropped
             runner.fail_run([trial.run_id, run_id], err)
-            outcomes[k].stopped = {"stage": index, "round": stage.global_step, "why": "failed", "error": str(err),
+            shutil.rmtree(runner._checkpoints(trial.run_id, index), ignore_errors=True)
+            why = STOPPED_DIVERGED if isinstance(err, Diverged) else STOPPED_DROPPED if isinstance(
+                err, TrialDropped) else "failed"
+            outcomes[k].stopped = {"stage": index, "round": stage.global_step, "why": why, "error": str(err),
                                    "history": list(stage.history)}
+        finally:
+            self.rounds_trained += stage.rounds_run
 
     def _together(self, index: int, members: list[tuple[int, _Trial]], outcomes: list[TrialOutcome],
                   callbacks: BatchCallbacks) -> None:
@@ -173,8 +188,11 @@ class PipelineTrials:
         logs = [RoundMetrics(trial.runner.tracker, run_id, j) for j, ((_, trial), run_id)
                 in enumerate(zip(members, run_ids, strict=True))]
         trainer = self.base._trainer(batch, folder, [*logs, *callbacks(index, [k for k, _ in members])])
-        with PeakMemory(self.base.device) as memory:
-            trainer.fit(batch)
+        try:
+            with PeakMemory(self.base.device) as memory:
+                trainer.fit(batch)
+        finally:
+            self.rounds_trained += sum(stage.rounds_run for stage in batch.trials)
         release_freed_memory(self.base.device)
         batch.save_changes_in(None)
         for j, ((k, trial), run_id) in enumerate(zip(members, run_ids, strict=True)):

@@ -14,6 +14,15 @@ from fedpilot.schema import Seed, Strict
 from fedpilot.settings import SQL_INT_MAX
 
 
+def check_batch(batch: Any) -> Any:
+    """A search's `batch`: a number of trials (1 to an SQL INTEGER's largest), or `auto` (what is neither a string
+    nor a whole number is left to its type's check)."""
+    wrong = batch != "auto" if isinstance(batch, str) else type(batch) is int and not 1 <= batch <= SQL_INT_MAX
+    if wrong:
+        raise ValueError(f"a number of trials from 1 to {SQL_INT_MAX}, or `auto`")
+    return batch
+
+
 class Param(Strict):
     """One dimension of a search space: float/int in [low, high] (optionally log-scaled, stepped) or categorical."""
 
@@ -99,6 +108,8 @@ class SearchSpec(Strict):
     `space: auto` searches what the algorithms of `stages` (default: every stage) declare tunable, over their
     declared ranges (a relative range around the pipeline's value); the hyperparameters that change what a client
     spends (local steps, model size) only with `tune_budget: true`. The pipeline's spec holds the space it expands to.
+    `batch`: how many trials a process asks at once and trains together (pipeline/trials.py; `auto`: measured on the
+    study's first batch, tuning.py); it changes how the trials run, never which points a study starts with.
     """
 
     study: str | None = None
@@ -110,6 +121,7 @@ class SearchSpec(Strict):
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
     edge_trials: int = Field(0, ge=0, le=20)  # further trials beyond an edge the best value lies near (tuning.py)
+    batch: int | Literal["auto"] = 1  # trials asked and trained together (tuning.py); not what is tried
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 
@@ -120,6 +132,11 @@ class SearchSpec(Strict):
         if isinstance(objective, str):  # a bare metric name
             objective = {"metric": objective}
         return {**value, "objective": [objective]} if isinstance(objective, dict) else value
+
+    @field_validator("batch", mode="before")
+    @classmethod
+    def _some_trials(cls, batch: Any) -> Any:
+        return check_batch(batch)
 
     @field_validator("study")
     @classmethod

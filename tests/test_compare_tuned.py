@@ -339,15 +339,20 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
     monkeypatch.setattr(tuning.Search, "_trained", counted(tuning.Search._trained))
     monkeypatch.setattr(work.Work, "_run", counted(work.Work._run))
     monkeypatch.setattr(PipelineRunner, "_stages", first_stage)
+    before = census((*kinds, tuning.Search, optuna.Study, work.Work))  # what earlier tests in this process hold
+    alive_before = dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds)))
     gc.disable()  # whenever Python's own collector would run: the runner frees what earlier runs left itself
     try:
         code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
     finally:
         gc.enable()
     assert code == 0, output
-    assert held == [{"parameters": 0}] * (2 * (3 + 1) + 2 * 2), held  # 6 trials, 2 noise seeds, 4 runs
-    assert left == [{"PipelineRunner": 1}] * (2 * (3 + 1) + 2 * 2), left  # its own runner, nothing left to collect
-    assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == {"parameters": 0}
+    units = 2 * (3 + 1) + 2 * 2  # 6 trials, 2 noise seeds, 4 runs
+    assert held == [{k: v for k, v in before.items() if k in (*(c.__name__ for c in kinds), "parameters")}] * units, \
+        (held, before)
+    own = Counter(alive_before) + Counter({"PipelineRunner": 1})  # its own runner, nothing left to collect
+    assert left == [dict(own)] * units, (left, alive_before)
+    assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == before
     assert plt.get_fignums() == []
 
 

@@ -21,7 +21,7 @@ from fedpilot.report.comparison_page import forest_figure
 from fedpilot.report.runs import clients_frame
 from fedpilot.stats.intervals import t_interval
 from fedpilot.stats.scores import summarize
-from fedpilot.stats.table import format_table
+from fedpilot.stats.table import format_counts, format_table
 from fedpilot.stats.verdicts import verdicts
 from pipeline_fixtures import SMALL, cli, run_id_of, runs_of, write_pipeline
 from test_stats import scores_and_values
@@ -198,3 +198,13 @@ def test_the_forest_plot_draws_the_adjusted_intervals_in_percentage_points():
     assert list(t.marker.symbol) == ["circle-open", "circle"] and "percentage points" in figure.layout.xaxis.title.text
     assert list(figure.layout.yaxis.ticktext) == ["base (baseline)", "none", "big"]
     assert baseline.name == "the baseline" and list(baseline.x) == [0]
+
+
+def test_the_printed_counts_show_the_clients_unchanged_on_every_seed_apart():
+    counts = {"fedalt": {"helped_every_seed": 3, "hurt_every_seed": 1, "unchanged_every_seed": 2, "mixed": 4},
+              "older": {"helped_every_seed": 1, "hurt_every_seed": 0, "mixed": 5}}  # recorded before it was counted
+    head, columns, fedalt, older = format_counts(counts, "fedavg", 3).splitlines()
+    assert "better / worse than with fedavg on each of 3 seed(s)" in head
+    assert columns.split() == ["pipeline", "helped", "every", "seed", "hurt", "every", "seed", "unchanged", "every",
+                               "seed", "mixed"]
+    assert fedalt.split() == ["fedalt", "3", "1", "2", "4"] and older.split() == ["older", "1", "0", "5"]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from fedpilot.metric_names import CLIENT_COUNTS
+
 CHANGES_TABLE = "clients_across_seeds.json"  # the comparison run's table: client, pipeline, seed, change
-# recorded as `<pipeline>/clients_<count>`; unchanged: the same value as with the baseline on every seed
-COUNTS = ("helped_every_seed", "hurt_every_seed", "unchanged_every_seed", "mixed")
+COUNTS = CLIENT_COUNTS
 FIXED_NAMES = "on every seed: the same federation throughout"  # federation_note's words when a name is the same data
 
 

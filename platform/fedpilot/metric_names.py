@@ -36,6 +36,9 @@ FOOTPRINT_LABELS = {
 FOOTPRINTS = tuple(k for k in FOOTPRINT_LABELS if k != "estimated_training_bytes")  # a search may optimize these
 
 # Evaluations beyond the participating clients' personalized models: the prefix of their `{split}_{metric}_{stat}`.
+# A comparison's clients against the baseline over the seeds, recorded as `<pipeline>/clients_<count>` (unchanged: the
+# same value as with the baseline on every seed)
+CLIENT_COUNTS = ("helped_every_seed", "hurt_every_seed", "unchanged_every_seed", "mixed")
 NOVEL = "novel"  # clients held out of every round, after the adaptation a newcomer gets
 NOVEL_GLOBAL = "novel_global"  # the same clients with the global model as it stands
 GLOBAL = "global"  # participating clients with the global model (the per-client table's columns, for `select`)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedpilot.metric_names import metric_label, scores_of
+from fedpilot.metric_names import CLIENT_COUNTS, metric_label, scores_of
 from fedpilot.stats.intervals import ALPHA
 from fedpilot.stats.keys import key_labels
 from fedpilot.stats.scores import in_points
@@ -142,10 +142,10 @@ def format_verdicts(verdicts: Verdicts, baseline: str, metric: str, steps: dict[
 
 
 def counts_rows(counts: dict[str, dict[str, int]]) -> Rows:
-    """Per pipeline, its clients helped on every seed, hurt on every seed, and mixed."""
-    return [["pipeline", "helped every seed", "hurt every seed", "mixed"],
-            *[[name, *(str(row[k]) for k in ("helped_every_seed", "hurt_every_seed", "mixed"))]
-              for name, row in counts.items()]]
+    """Per pipeline, its clients helped on every seed, hurt on every seed, unchanged on every seed (blank in a
+    record from before it was counted), and mixed."""
+    return [["pipeline", "helped every seed", "hurt every seed", "unchanged every seed", "mixed"],
+            *[[name, *(str(row.get(k, "")) for k in CLIENT_COUNTS)] for name, row in counts.items()]]
 
 
 def format_counts(counts: dict[str, dict[str, int]], baseline: str, seeds: int, metric: str = "acc") -> str:

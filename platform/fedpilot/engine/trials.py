@@ -78,7 +78,7 @@ class TrialBatch(L.LightningModule):
 
     @property
     def upcoming(self) -> RoundStart:
-        return RoundStart(self.global_step, self.lead.executor_choice.pending)
+        return RoundStart(self.global_step, self.executor_choice.pending)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(Rounds(), batch_size=None)

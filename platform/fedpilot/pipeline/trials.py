@@ -152,12 +152,10 @@ class PipelineTrials:
         trial.outcomes.append(trial.runner._reuse(trial.run_id, index, stage, split, cached, key, None, before))
 
     def _stage_run(self, index: int, trial: _Trial) -> str:
-        """The stage's run of a trial that trains it, its parameters logged."""
+        """The stage's run of a trial that trains it (a lone trial's `_train` logs its parameters)."""
         runner, key, stage_spec = trial.runner, trial.at[3], trial.runner.spec.stages[index]
-        run_id = runner.tracker.start_stage(trial.run_id, index, stage_spec.name, stage_spec.algorithm,
-                                            {CACHE_TAG: "miss", CACHE_KEY_TAG: key})
-        runner.tracker.log_params(run_id, set_params(runner.applies["stages"][index]))
-        return run_id
+        return runner.tracker.start_stage(trial.run_id, index, stage_spec.name, stage_spec.algorithm,
+                                          {CACHE_TAG: "miss", CACHE_KEY_TAG: key})
 
     def _alone(self, index: int, k: int, trial: _Trial, outcomes: list[TrialOutcome],
                callbacks: BatchCallbacks) -> None:
@@ -182,6 +180,8 @@ class PipelineTrials:
                   callbacks: BatchCallbacks) -> None:
         """The members' stage trained as one batch, each trial recorded and cached as if it had trained alone."""
         run_ids = [self._stage_run(index, trial) for _, trial in members]
+        for (_, trial), run_id in zip(members, run_ids, strict=True):  # as a lone trial's _train logs them
+            trial.runner.tracker.log_params(run_id, set_params(trial.runner.applies["stages"][index]))
         batch = TrialBatch([trial.at[1] for _, trial in members])
         folder = self.base.root / "runs" / members[0][1].run_id / f"{index}-batch"
         batch.save_changes_in(folder / "banks")

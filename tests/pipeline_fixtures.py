@@ -20,7 +20,7 @@ SMALL = {
     "model": {"hidden": [32]},
     "personalization": "output_layer",
     "evaluation": {"every": 2},
-    "tracking": {"system_metrics": False},
+    "tracking": {"system_metrics": False, "plots": False},  # PLOTTED for the tests that read plots or reports
     "stages": [
         {"name": "pretrain", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 5,
          "local": {"epochs": 1, "batch_size": 10, "lr": 0.05}},
@@ -29,6 +29,7 @@ SMALL = {
         {"name": "finetune", "algorithm": "finetune", "local": {"epochs": 2, "lr": 0.005}},
     ],
 }
+PLOTTED = {**SMALL, "tracking": {"system_metrics": False, "plots": True}}
 
 
 def write_pipeline(folder: Path, spec: dict | None = None, name: str = "small.yaml") -> Path:

@@ -36,7 +36,7 @@ from mlflow.server import get_app_client
 from fedpilot.db import connect, utcnow
 from fedpilot.jobs.queue import list_jobs
 from fedpilot.jobs.schedule import add
-from pipeline_fixtures import SMALL, cli, write_pipeline
+from pipeline_fixtures import PLOTTED, cli, write_pipeline
 from postgres import fresh_postgres
 from test_jobs import TINY
 from test_mlflow_server import free_port, wait_healthy
@@ -171,8 +171,8 @@ def wait_for_jobs(team: Team, count: int, timeout: float = 400) -> list[dict]:
 def finished(team: Team, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """A submitted pipeline and a due scheduled search, both run by the workers: the job rows by kind."""
     folder = tmp_path_factory.mktemp("pipelines")
-    small = write_pipeline(folder, {**SMALL, "stages": [{**s, "rounds": 2} if "rounds" in s else s
-                                                        for s in SMALL["stages"]]})
+    small = write_pipeline(folder, {**PLOTTED, "stages": [{**s, "rounds": 2} if "rounds" in s else s
+                                                          for s in PLOTTED["stages"]]})
     code, output = cli("submit", str(small), "--db", team.db)
     assert code == 0, output
     searchable = write_pipeline(folder, {**TINY, "search": SEARCH}, "tuned.yaml")

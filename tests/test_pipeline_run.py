@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.engine.stage import FederatedStage
-from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from pipeline_fixtures import PLOTTED, SMALL, cli, run_id_of, write_pipeline
 
 DISTRIBUTION = [f"{split}_acc_{stat}" for split in ("test", "val")
                 for stat in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")]
@@ -25,7 +25,7 @@ def stage_runs(client: MlflowClient, parent: str) -> list:
 
 
 def test_run_records_stages_distributions_tables_plots_and_memory(workdir):
-    code, output = cli("run", str(write_pipeline(workdir)), "--no-progress")
+    code, output = cli("run", str(write_pipeline(workdir, PLOTTED)), "--no-progress")
     assert code == 0, output
     assert output.rstrip().splitlines()[-1].startswith("run_id: ")
     client = MlflowClient()

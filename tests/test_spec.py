@@ -10,7 +10,7 @@ import yaml
 
 from fedpilot.algorithms import ALGORITHMS
 from fedpilot.errors import SpecError
-from fedpilot.spec import PipelineSpec, configs_dir, load_pipeline
+from fedpilot.spec import PipelineSpec, configs_dir, load_pipeline, load_pipeline_at_seeds
 from hub_standins import VALIDATED, write_hub_copies
 from pipeline_fixtures import SMALL, cli, write_pipeline
 
@@ -184,3 +184,18 @@ def test_true_and_false_stay_booleans_where_a_key_is_one():
 
 def test_a_quoted_group_choice_is_the_choice():
     assert load_pipeline(QUICKSTART, ["model='logreg'"]).model == load_pipeline(QUICKSTART, ["model=logreg"]).model
+
+
+@pytest.mark.parametrize("name", ["shift/fedalt-adapters.yaml", "shakespeare-next-token.yaml", "quickstart.yaml"])
+def test_a_file_composed_once_for_several_seeds_is_the_file_loaded_at_each_seed(tmp_path, name):
+    """A comparison composes each file once and sets the seed before resolving: the same specs as one composition
+    per seed, `${seed}` interpolations included (here the data's seed and a stage's rounds follow it)."""
+    path = ROOT / "pipelines" / name
+    overrides = ["stages.0.rounds=3"]
+    for seed, spec in load_pipeline_at_seeds(path, overrides, [7, 2]).items():
+        assert spec == load_pipeline(path, [*overrides, f"seed={seed}"]), (name, seed)
+    follows = write_pipeline(tmp_path, {**SMALL, "dataset": {**SMALL["dataset"], "seed": "${seed}"},
+                                        "stages": [{**SMALL["stages"][0], "rounds": "${seed}"}, *SMALL["stages"][1:]]})
+    specs = load_pipeline_at_seeds(follows, [], [3, 5])
+    assert [(s.seed, s.dataset.seed, s.stages[0].rounds) for s in specs.values()] == [(3, 3, 3), (5, 5, 5)]
+    assert specs[5] == load_pipeline(follows, ["seed=5"])

@@ -28,7 +28,7 @@ from fedpilot.spec import (
     PipelineSpec,
     PrunerSpec,
     SamplerSpec,
-    load_pipeline,
+    load_pipeline_at_seeds,
     read_user_yaml,
     with_values,
     written_values,
@@ -280,7 +280,7 @@ def _pipeline_specs(path: Path, comparison: ComparisonSpec, overrides: list[str]
         file = path.parent / relative
         if not file.is_file():
             raise SpecError(f"pipelines.{i}", relative, f"no such file (relative to {path.parent})")
-        runs = {seed: load_pipeline(file, [*extra, f"seed={seed}"]) for seed in comparison.seed_list()}
+        runs = load_pipeline_at_seeds(file, extra, comparison.seed_list())
         name = runs[comparison.seed_list()[0]].name
         if name in specs:
             raise SpecError(f"pipelines.{i}", relative, f"a second pipeline named {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,7 @@ class PipelineRunner:
         timing the candidates, by stage index (what an earlier run of the same spec recorded, tracking's
         EXECUTION_TAG: its executor, clients per call and per chunk), so that a rerun computes the same numbers."""
         self.spec, self.progress, self.use_cache = spec, progress, use_cache
+        BUILT.add(self)
         self.root = Path(cache_dir) if cache_dir else cache_root()
         self.cache = StageCache(self.root)
         with staging():  # every input check, before any run is created; the model's memory is one of them
@@ -117,7 +119,7 @@ class PipelineRunner:
         A run of its own (not nested) ends with its report (`report.html`) when the pipeline has `tracking.plots`."""
         spec = self.spec
         with_report = spec.tracking.plots and parent is None
-        free_what_earlier_runs_left(self.device)
+        free_what_earlier_runs_left(self.device, besides=self)
         run_id, previous_runs = self.open_run(resume, parent, tags, name)
         parent = run_id
         started(run_id)
@@ -222,6 +224,7 @@ class PipelineRunner:
         bank = None if before is None else carry_bank(before.bank, before.model, own, before.config.host_memory_budget)
         stage = FederatedStage(self.model, split, self.tensors, algorithm, config, spec.seed, i, bank, self.task,
                                stage_spec.name, novel, select)
+        BUILT.add(stage)
         if i in self.executions:  # as a checkpoint restores it: a choice `execution: auto` need not time
             stage.executor_choice.load_state_dict(self.executions[i])
         return stage
@@ -338,10 +341,12 @@ class PipelineRunner:
         saving = ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0, every_n_train_steps=every)
         devices, nodes = self.spec.devices, self.spec.nodes
         plugins = [SLURMEnvironment(auto_requeue=False)] if under_slurm() else None
-        return L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices, num_nodes=nodes,
+        trainer = L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices, num_nodes=nodes,
                          strategy=DDPStrategy(forward_sync_buffers=False) if devices * nodes > 1 else "auto",
                          plugins=plugins, logger=False, callbacks=[*callbacks, saving],
                          enable_progress_bar=self.progress, enable_model_summary=False, default_root_dir=checkpoints)
+        BUILT.update((stage, trainer))
+        return trainer
 
     def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,
                 before: FederatedStage | None, log: bool = True) -> StageOutcome:
@@ -363,10 +368,18 @@ class PipelineRunner:
         return StageOutcome(index, name, cache, run_id, report.primary, {**report.metrics, **report.memory})
 
 
-def free_what_earlier_runs_left(device: torch.device) -> None:
-    """Free what earlier runs in this process left for the garbage collector before a run allocates: a finished
-    stage and its trainer hold each other, and a trial pruned or stopped left them to its exception, so only a full
-    collection frees them (Python runs one rarely): in a study's or a comparison's process, each run's peak stood on
-    what the runs before it left (docs/benchmarks.md). The allocator's freed memory goes back to the system too."""
-    gc.collect()
+# Every runner, stage and trainer a run in this process built, held weakly: once each is gone (freed as its last
+# reference went), nothing of an earlier run is left for the garbage collector, and the full collection, which scans
+# everything the process holds (every module imported, every test run before it), can be skipped.
+BUILT: weakref.WeakSet = weakref.WeakSet()
+
+
+def free_what_earlier_runs_left(device: torch.device, besides: PipelineRunner) -> None:
+    """Free what earlier runs in this process left for the garbage collector before a run (`besides`) allocates: a
+    finished stage and its trainer hold each other, and a trial pruned or stopped left them to its exception, so only
+    a full collection frees them (Python runs one rarely): in a study's or a comparison's process, each run's peak
+    stood on what the runs before it left (docs/benchmarks.md). The allocator's freed memory goes back to the system
+    too."""
+    if any(built is not besides for built in BUILT):
+        gc.collect()
     release_freed_memory(device)

@@ -18,6 +18,7 @@ from fedpilot.spec.compose import (
     compose_pipeline,
     config_groups,
     load_pipeline,
+    load_pipeline_at_seeds,
     read_user_yaml,
 )
 from fedpilot.spec.pipeline_spec import (
@@ -38,6 +39,6 @@ __all__ = [
     "MAX_FILE_BYTES", "MAX_OVERRIDES", "MAX_OVERRIDE_CHARS", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "EvaluationSpec",
     "ModelSpec", "Objective", "Param", "PersonalizationSpec", "PipelineSpec", "PrunerSpec", "SamplerSpec",
     "SearchSpec", "StageSpec", "TrackingSpec", "check_numbers", "check_overrides", "compose_pipeline",
-    "config_groups", "configs_dir", "load_pipeline", "pipeline_seed", "read_user_yaml", "with_values",
-    "written_values",
+    "config_groups", "configs_dir", "load_pipeline", "load_pipeline_at_seeds", "pipeline_seed", "read_user_yaml",
+    "with_values", "written_values",
 ]

@@ -44,6 +44,25 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
 
     Before Hydra composes anything, the file and the overrides are checked (size and expansion limits, a mapping
     at the top, `defaults` naming files of configs/ groups, no resolver calls); after, every number is finite."""
+    path, user, cfg = _hydra_config(path, overrides)
+    return _resolved(cfg, path, user, overrides)
+
+
+def compose_at_seeds(path: str | Path, overrides: list[str] | tuple[str, ...], seeds: list[int]
+                     ) -> dict[int, dict[str, Any]]:
+    """compose_pipeline(path, [*overrides, f"seed={s}"]) for each of `seeds`, from one Hydra composition (the
+    expensive part): the seed is set (as `++seed=s` would) before interpolations are resolved, so `${seed}`
+    anywhere in the file follows it."""
+    path, user, cfg = _hydra_config(path, overrides)
+    composed = {}
+    for seed in seeds:
+        OmegaConf.update(cfg, "seed", seed, force_add=True)
+        composed[seed] = _resolved(cfg, path, user, [*overrides, f"seed={seed}"])
+    return composed
+
+
+def _hydra_config(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[Path, dict[str, Any], Any]:
+    """The checked file (resolved path, its plain YAML) and Hydra's composition of it with `overrides`."""
     path = Path(path).resolve()
     if not path.is_file():
         raise SpecError("pipeline", str(path), "no such file")
@@ -62,6 +81,11 @@ def compose_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = 
     except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as err:
         # Hydra's own errors, and the plain ones it raises where an override does not fit the config
         raise _compose_error(err, path, overrides) from None
+    return path, user, cfg
+
+
+def _resolved(cfg: Any, path: Path, user: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Hydra's composition as plain data, interpolations resolved, every number finite."""
     try:
         composed = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # an interpolation of a missing key, or a cycle
@@ -328,3 +352,9 @@ def _first_line(err: Exception) -> str:
 def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:
     """Compose and validate a pipeline file: the one entry point of `fedpilot validate/run/search`."""
     return PipelineSpec.from_dict(compose_pipeline(path, overrides))
+
+
+def load_pipeline_at_seeds(path: str | Path, overrides: list[str] | tuple[str, ...], seeds: list[int]
+                           ) -> dict[int, PipelineSpec]:
+    """load_pipeline(path, [*overrides, f"seed={s}"]) for each of `seeds` (a comparison's runs of one file)."""
+    return {seed: PipelineSpec.from_dict(raw) for seed, raw in compose_at_seeds(path, overrides, seeds).items()}

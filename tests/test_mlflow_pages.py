@@ -29,7 +29,7 @@ from fedpilot.report.pipeline_page import summary_table
 from fedpilot.report.runs import PipelineRun, Stage, labelled, load_run, primary_metric, short_keys
 from fedpilot.tracking import local_artifact, table_order
 from fedpilot.tuning import trial_name
-from pipeline_fixtures import cli, run_id_of, write_pipeline
+from pipeline_fixtures import PLOTTED, cli, run_id_of, write_pipeline
 from test_deploy import need
 from test_mlflow_server import running_mlflow_server
 
@@ -157,7 +157,7 @@ def full_page(driver, path: Path, width: int = 1400) -> None:
 @pytest.mark.slow
 def test_mlflow_ui_shows_model_training_named_runs_stage_summaries_and_the_report(workdir):
     shots = screenshots(workdir)
-    path = write_pipeline(workdir)
+    path = write_pipeline(workdir, PLOTTED)
     outputs = [cli("run", str(path), f"stages.2.local.lr={lr}", "--no-progress") for lr in (0.01, 0.02)]
     assert all(code == 0 for code, _ in outputs), outputs
     run_ids = [run_id_of(output) for _, output in outputs]

@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 # pytest-xdist workers for `make test`: more than the cores, as the end-to-end tests also wait on their services
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 
 .PHONY: install demo test lint bench clean
 

@@ -29,14 +29,15 @@ pytest_plugins = ["postgres", "slurm"]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The Slurm tests first (they share one cluster, so one worker runs them all: the longest chain), then the
-    other files holding `slow` tests, then the rest, each in collection order; except that the fourth file is a
-    light one: xdist hands each of the (three) workers two files at the start, and the fourth waits behind the
+    other files holding `slow` tests, then the rest, each in collection order; except that the file after one per
+    worker is a light one: xdist hands each worker two files at the start, in turn, and that one waits behind the
     Slurm file."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     files = list(dict.fromkeys(item.path for item in items))
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     heavy = sorted((f for f in files if f in slow), key=lambda f: f.name != "test_slurm.py")
     light = [f for f in files if f not in slow]
-    order = heavy[:3] + light[:1] + heavy[3:] + light[1:]
+    order = heavy[:workers] + light[:1] + heavy[workers:] + light[1:]
     rank = {f: i for i, f in enumerate(order)}
     items.sort(key=lambda item: rank[item.path])
 

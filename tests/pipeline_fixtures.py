@@ -1,7 +1,4 @@
-"""A small pipeline on digits (20 clients, three short stages) and a way to run the CLI in-process.
-
-Its stages run the vmap executor: timing the candidates (`execution: auto`) was a fifth of a run this small; TIMED
-and the shipped pipelines the other tests run keep `auto`."""
+"""A small pipeline on digits (20 clients, three short stages) and a way to run the CLI in-process."""
 
 from __future__ import annotations
 
@@ -25,15 +22,14 @@ SMALL = {
     "evaluation": {"every": 2},
     "tracking": {"system_metrics": False, "plots": False},  # PLOTTED for the tests that read plots or reports
     "stages": [
-        {"name": "pretrain", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 5, "execution": "vmap",
+        {"name": "pretrain", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 5,
          "local": {"epochs": 1, "batch_size": 10, "lr": 0.05}},
-        {"name": "personalize", "algorithm": "fedalt", "rounds": 4, "clients_per_round": 5, "execution": "vmap",
+        {"name": "personalize", "algorithm": "fedalt", "rounds": 4, "clients_per_round": 5,
          "params": {"lr_v": 0.01}},
-        {"name": "finetune", "algorithm": "finetune", "execution": "vmap", "local": {"epochs": 2, "lr": 0.005}},
+        {"name": "finetune", "algorithm": "finetune", "local": {"epochs": 2, "lr": 0.005}},
     ],
 }
 PLOTTED = {**SMALL, "tracking": {"system_metrics": False, "plots": True}}
-TIMED = {**SMALL, "stages": [{**stage, "execution": "auto"} for stage in SMALL["stages"]]}  # each stage times them
 
 
 def write_pipeline(folder: Path, spec: dict | None = None, name: str = "small.yaml") -> Path:

@@ -16,7 +16,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from pipeline_fixtures import PLOTTED, TIMED, run_id_of, write_pipeline
+from pipeline_fixtures import PLOTTED, run_id_of, write_pipeline
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
 
@@ -80,7 +80,7 @@ def test_pipeline_against_a_real_tracking_server(mlflow_server, tmp_path):
     srun.chmod(0o755)
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "FEDPILOT_CACHE": str(tmp_path / "cache"),
            "PATH": f"{srun.parent}{os.pathsep}{os.environ['PATH']}"}
-    path = write_pipeline(tmp_path, {**TIMED, "tracking": PLOTTED["tracking"]})  # plots, executors timed
+    path = write_pipeline(tmp_path, PLOTTED)
     proc = subprocess.run([sys.executable, "-m", "fedpilot.cli", "run", str(path), "--no-progress"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

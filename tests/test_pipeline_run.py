@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fedpilot.engine.stage import FederatedStage
-from pipeline_fixtures import PLOTTED, TIMED, cli, run_id_of, write_pipeline
+from pipeline_fixtures import PLOTTED, SMALL, cli, run_id_of, write_pipeline
 
 DISTRIBUTION = [f"{split}_acc_{stat}" for split in ("test", "val")
                 for stat in ("mean", "weighted", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")]
@@ -149,7 +149,7 @@ def test_peak_memory_sees_a_stage_allocation_and_not_earlier_ones():
 
 def test_the_progress_bar_says_when_the_first_round_times_the_executors(workdir, monkeypatch):
     monkeypatch.setattr("fedpilot.cli.pipeline.on_terminal", lambda stream: True)  # the bars are a terminal's only
-    spec = {**TIMED, "stages": [TIMED["stages"][0], {**TIMED["stages"][1], "execution": "loop"}]}
+    spec = {**SMALL, "stages": [SMALL["stages"][0], {**SMALL["stages"][1], "execution": "loop"}]}
     code, output = cli("run", str(write_pipeline(workdir, spec)))
     assert code == 0, output
     bars = {stage: [line for line in output.replace("\r", "\n").splitlines() if stage in line]

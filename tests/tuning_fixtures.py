@@ -15,7 +15,6 @@ TUNED_BASE = {**SMALL, "dataset": {"partition": {"kind": "dirichlet", "alpha": 0
               "tracking": {"system_metrics": False, "plots": False},
               "stages": [{**SMALL["stages"][0], "rounds": 2, "clients_per_round": 4},
                          {"name": "more", "algorithm": "fedavg", "rounds": 4, "clients_per_round": 4,
-                          "execution": "vmap",
                           "local": {"steps": 2, "batch_size": 10, "lr": 0.05}}]}
 
 

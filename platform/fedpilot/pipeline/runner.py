@@ -342,10 +342,11 @@ class PipelineRunner:
         devices, nodes = self.spec.devices, self.spec.nodes
         plugins = [SLURMEnvironment(auto_requeue=False)] if under_slurm() else None
         trainer = L.Trainer(max_steps=stage.n_rounds, accelerator=self.device.type, devices=devices, num_nodes=nodes,
-                         strategy=DDPStrategy(forward_sync_buffers=False) if devices * nodes > 1 else "auto",
-                         plugins=plugins, logger=False, callbacks=[*callbacks, saving],
-                         enable_progress_bar=self.progress, enable_model_summary=False, default_root_dir=checkpoints)
-        BUILT.update((stage, trainer))
+                            strategy=DDPStrategy(forward_sync_buffers=False) if devices * nodes > 1 else "auto",
+                            plugins=plugins, logger=False, callbacks=[*callbacks, saving],
+                            enable_progress_bar=self.progress, enable_model_summary=False,
+                            default_root_dir=checkpoints)
+        BUILT.add(trainer)  # the cycle only a collection frees holds it and its stage (a batch stage too)
         return trainer
 
     def _record(self, index: int, run_id: str, cache: str, stage: FederatedStage, split: ParamSplit, peak: int,

@@ -85,3 +85,12 @@ def workdir(tmp_path, monkeypatch, new_mlflow_store):
     monkeypatch.setenv("FEDPILOT_CACHE", str(tmp_path / "cache"))
     mlflow.set_tracking_uri(uri)  # earlier tests may have set another store process-wide
     return tmp_path
+
+
+@pytest.fixture
+def untimed(monkeypatch):
+    """No executor choice timed earlier in this process (ExecutorChoice.time's memo): a stage under `execution:
+    auto` times its candidates, as in a process of its own."""
+    from fedpilot.engine.accel import choice
+
+    monkeypatch.setattr(choice, "TIMED", {})

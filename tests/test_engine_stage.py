@@ -54,7 +54,7 @@ def test_resume_mid_stage_gives_identical_parameters(tmp_path):
     assert not torch.equal(state(interrupted)["model.body.1.weight"], expected["model.body.1.weight"])
 
 
-def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(tmp_path, monkeypatch):
+def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(tmp_path, monkeypatch, untimed):
     interrupted = make_stage()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
     L.Trainer(max_steps=2, logger=False, callbacks=[ckpt], enable_progress_bar=False,
@@ -71,6 +71,31 @@ def test_a_resumed_auto_stage_keeps_the_executor_it_timed_without_timing_again(t
     assert choice.clients_per_call == timed.clients_per_call and "vmap" in timed.clients_per_call
     assert choice.timing_s == timed.timing_s > 0
     assert choice.record() == was
+
+
+def test_a_stage_whose_local_work_was_timed_before_takes_that_choice_and_says_so(untimed, monkeypatch):
+    """ExecutorChoice.time's memo: a stage that differs from one timed earlier in this process only in values that
+    enter arithmetic (lrs, the server's) takes its choice without timing and records it as taken; one whose local
+    work differs (its batch size) times its own."""
+    first = make_stage(rounds=1)
+    fit(first)
+    assert first.execution != "auto" and first.execution_record()["executor_timing_s"] > 0
+    assert "executor_timing_reused" not in first.execution_record()
+    measured = ExecutorChoice._measured
+    monkeypatch.setattr(ExecutorChoice, "_measured", lambda *a: pytest.fail("timed again"))
+    again = make_stage(rounds=1, server=ServerConfig(lr=0.3))
+    again.config = again.config.model_copy(update={"local": LocalConfig(epochs=1, batch_size=4, lr=0.02)})
+    fit(again)
+    record = again.execution_record()
+    assert again.execution == first.execution and record["executor_timing_reused"] == 1.0
+    assert record["executor_timing_s"] == 0.0 and again.executor_choice.seconds == first.executor_choice.seconds
+    assert again.executor_choice.state_dict()["executor_timing_reused"] is True
+    monkeypatch.setattr(ExecutorChoice, "_measured", measured)
+    other = make_stage(rounds=1)
+    other.config = other.config.model_copy(update={"local": LocalConfig(epochs=1, batch_size=2, lr=0.1)})
+    fit(other)
+    timed_again = other.execution_record()
+    assert timed_again["executor_timing_s"] > 0 and "executor_timing_reused" not in timed_again
 
 
 def test_cohort_is_seeded_uniform_without_replacement():

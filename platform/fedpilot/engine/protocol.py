@@ -233,8 +233,12 @@ class Algorithm(ABC):
         """Whether trials that differ in the stage key `key` (`local.lr`, `server.lr`, `params.lr_v`, ...) can train
         as one batch: an algorithm that batches trials, and a key the engine applies per trial (BATCHABLE_KEYS) or a
         `params` key its `tunable` declares `batchable`."""
-        if not cls.batches_trials:
-            return False
+        return cls.batches_trials and cls.arithmetic(key)
+
+    @classmethod
+    def arithmetic(cls, key: str) -> bool:
+        """Whether the stage key `key` only enters arithmetic (a value of it changes no control flow or shape): one
+        the engine applies per trial (BATCHABLE_KEYS), or a `params` key its `tunable` declares `batchable`."""
         declared = cls.tunable.get(key) if key.startswith("params.") else None
         return key in BATCHABLE_KEYS or bool(declared is not None and declared.batchable)
 

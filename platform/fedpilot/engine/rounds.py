@@ -177,5 +177,6 @@ def begin_round(stages: Sequence[FederatedStage], round_idx: int, algorithm: Alg
         stage.guard.check_progress(round_idx, stage.n_rounds)
     with lead.guard.round(round_idx):
         if lead.executor_choice.pending:
-            lead.executor_choice.time(partial(timing_run, stages, round_idx, algorithm), lead.device)
+            lead.executor_choice.time(partial(timing_run, stages, round_idx, algorithm), lead.device,
+                                      f"{len(stages)} trials of {lead.workload()}")
         yield

@@ -32,6 +32,9 @@ from fedpilot.engine.values import TrialValues
 from fedpilot.errors import Diverged
 from fedpilot.models.split import ParamSplit
 
+# Stage settings that no round's local work reads (what the executor timing measures)
+NOT_LOCAL_WORK = frozenset({"rounds", "eval_every", "eval_clients"})
+
 
 class FederatedStage(L.LightningModule):
     """One stage of a pipeline: `rounds` federated rounds of one algorithm on a federated dataset (`data`).
@@ -89,6 +92,24 @@ class FederatedStage(L.LightningModule):
     def execution_record(self) -> dict[str, float]:
         """What the stage records of its executor choice (`executor_*` metrics; none for a pinned executor)."""
         return self.executor_choice.record()
+
+    def workload(self) -> str:
+        """What decides how fast each executor runs the stage's local work (ExecutorChoice.time's memo of timed
+        choices): the algorithm and its settings but the values that only enter arithmetic (Algorithm.arithmetic:
+        step sizes, weights) and those of no round's local work (rounds, evaluation), the model and its split, the
+        task, the device, and the data's shapes (a row, clients, samples, the largest client's to a power of two)."""
+        kind = type(self.algorithm)
+        settings = {f"{block}.{key}": value for block in ("local", "server")
+                    for key, value in getattr(self.config, block).model_dump().items()}
+        settings |= {f"params.{key}": value for key, value in self.algorithm.params.model_dump().items()}
+        settings |= self.config.model_dump(exclude={"local", "server", *NOT_LOCAL_WORK})
+        sizes = self.data.sizes["train"]
+        return repr((f"{kind.__module__}.{kind.__qualname__}", sorted((k, v) for k, v in settings.items()
+                                                                     if not kind.arithmetic(k)),
+                     str(self.model), [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()],
+                     self.personal_names, self.shared_names, self.task.name, str(self.device),
+                     tuple(self.data.x.shape[1:]), self.data.x.dtype, self.data.n_clients, int(sizes.sum()),
+                     int(sizes.max()).bit_length()))
 
     @property
     def upcoming(self) -> RoundStart:

@@ -30,6 +30,10 @@ from fedpilot.engine.memory import memory_in_use, release_freed_memory
 from fedpilot.engine.protocol import Algorithm, ReducibleAggregator
 from fedpilot.engine.task import Task
 
+# The choices timed in this process, by workload (ExecutorChoice.time), the oldest dropped past TIMED_KEPT
+TIMED: dict[str, tuple[tuple[str, dict[str, float], dict[str, int]], dict[str, int], int | None]] = {}
+TIMED_KEPT = 64
+
 
 class TimingRun(Protocol):
     """The local work of a round's first chunk of clients, on copies of their rows (what it computes is thrown away):
@@ -61,6 +65,7 @@ class ExecutorChoice:
         self.clients_per_chunk: int | None = None
         self.folds = isinstance(algorithm.aggregator(), ReducibleAggregator)  # sums: each chunk folded in, freed
         self.timing_s: float | None = None
+        self.reused = False  # the choice of an earlier timing of the same workload (`time`)
         self._built: dict[tuple, ExecutionPlan] = {}
 
     @property
@@ -93,7 +98,7 @@ class ExecutorChoice:
             self._built[key] = ExecutionPlan(executor, head_executor, self.forward, self.models_forward)
         return self._built[key]
 
-    def time(self, timing_run: Callable[[], TimingRun], device: torch.device) -> None:
+    def time(self, timing_run: Callable[[], TimingRun], device: torch.device, workload: str | None = None) -> None:
         """Time the candidates on the first TRIAL_STEPS steps of every local phase of `timing_run()`'s clients, after a
         warm-up run of each on the first step (thrown away: nothing is written and the random state is restored),
         and keep the fastest for the stage, or a leaner one the fastest is not believably faster than
@@ -101,7 +106,15 @@ class ExecutorChoice:
         (`timing.clients_per_call`), so that neither their timing nor their rounds hold more clients' work at once
         than their speed gains from, and one that its calls show to be believably slower than a warm-up of the
         others takes no warm-up or turn. bf16 is never a candidate: it changes the numbers; `precision:
-        bf16-mixed` times the candidates under bf16. Under DDP every process takes rank 0's choice."""
+        bf16-mixed` times the candidates under bf16. Under DDP every process takes rank 0's choice.
+        A `workload` this process timed before (FederatedStage.workload: the same local work but for values that
+        only enter arithmetic, such as a study's trials and a comparison's seeds) takes that timing's choice and
+        records it as taken (`executor_timing_reused`) instead of timing again."""
+        if workload is not None and not distributed() and workload in TIMED:
+            (self.name, seconds, peak_bytes), per_call, self.clients_per_chunk = TIMED[workload]
+            self.seconds, self.peak_bytes, self.clients_per_call = dict(seconds), dict(peak_bytes), dict(per_call)
+            self.timing_s, self.reused = 0.0, True
+            return
         began = time.perf_counter()
         candidates = executor_candidates(self.model, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -113,6 +126,10 @@ class ExecutorChoice:
             dist.broadcast_object_list(chosen, src=0)
         (self.name, self.seconds, self.peak_bytes), self.clients_per_call, self.clients_per_chunk = chosen[0]
         self.timing_s = time.perf_counter() - began
+        if workload is not None and not distributed():
+            TIMED[workload] = chosen[0]
+            while len(TIMED) > TIMED_KEPT:
+                TIMED.pop(next(iter(TIMED)))
 
     def _measured(self, candidates: list[str], runs: _Runs) -> Timed:
         """Each candidate's clients a call (those that batch clients), then `fastest`'s turns: the kept candidate,
@@ -132,12 +149,13 @@ class ExecutorChoice:
         return {**{f"executor_seconds_{n}": v for n, v in self.seconds.items()},
                 **{f"executor_peak_bytes_{n}": v for n, v in self.peak_bytes.items()},
                 **{f"executor_clients_per_call_{n}": v for n, v in self.clients_per_call.items()},
-                **({"executor_timing_s": self.timing_s} if self.timing_s is not None else {})}
+                **({"executor_timing_s": self.timing_s} if self.timing_s is not None else {}),
+                **({"executor_timing_reused": 1.0} if self.reused else {})}
 
     def state_dict(self) -> dict[str, Any]:
         return {"execution": self.name, "executor_seconds": self.seconds, "executor_peak_bytes": self.peak_bytes,
                 "clients_per_call": self.clients_per_call, "clients_per_chunk": self.clients_per_chunk,
-                "executor_timing_s": self.timing_s}
+                "executor_timing_s": self.timing_s, "executor_timing_reused": self.reused}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Under `auto`, the choice a checkpoint saved (a resumed stage goes on with it; one saved before chunks were
@@ -150,6 +168,7 @@ class ExecutorChoice:
         self.clients_per_call = dict(saved.get("clients_per_call", {}))
         self.clients_per_chunk = saved.get("clients_per_chunk")
         self.timing_s = saved.get("executor_timing_s")
+        self.reused = bool(saved.get("executor_timing_reused", False))
 
 
 class _Runs:

@@ -343,8 +343,8 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
     alive_before = dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds)))
     gc.disable()  # whenever Python's own collector would run: the runner frees what earlier runs left itself
     try:
-        code, output = cli("compare", write_set(workdir), "--storage", f"sqlite:///{workdir}/studies.db")
-    finally:
+        code, output = cli("compare", write_set(workdir, batch=1), "--storage", f"sqlite:///{workdir}/studies.db")
+    finally:  # batch: 1: every trial a lone run, each counted before it starts
         gc.enable()
     assert code == 0, output
     units = 2 * (3 + 1) + 2 * 2  # 6 trials, 2 noise seeds, 4 runs

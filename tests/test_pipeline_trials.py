@@ -42,7 +42,8 @@ def test_trials_run_together_are_recorded_and_cached_as_lone_runs(workdir, monke
         alone = PipelineRunner(with_values(spec, values), workdir / "alone", progress=False).run()  # trained alone
         assert [s.cache for s in alone.stages][1:] == ["miss", "miss"]
         for mine, theirs in zip(runs[2:], runs_of(client, alone.run_id)[2:], strict=True):  # what a trained stage logs
-            assert mine.data.metrics.keys() == theirs.data.metrics.keys()
+            reused = {"executor_timing_reused"}  # a lone run may take the choice this process timed for its workload
+            assert mine.data.metrics.keys() - reused == theirs.data.metrics.keys() - reused
             assert mine.data.params == theirs.data.params
         for mine, theirs in zip(outcome.result.stages, alone.stages, strict=True):
             assert all(math.isclose(mine.metrics[k], theirs.metrics[k], rel_tol=1e-4, abs_tol=1e-5)

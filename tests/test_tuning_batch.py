@@ -30,8 +30,8 @@ from test_tuned_protocol import write_set
 pytestmark = pytest.mark.slow  # trains searches
 
 SPACE = {"stages.1.params.lr_v": {"type": "float", "low": 0.001, "high": 0.3, "log": True}}
-SEARCH = {"space": SPACE, "objective": {"metric": "val_acc_weighted"}, "trials": 3,
-          "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}}
+SEARCH = {"space": SPACE, "objective": {"metric": "val_acc_weighted"}, "trials": 3,  # batch 1: the reference
+          "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}, "batch": 1}
 TINY = {**SMALL, "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}],
         "search": SEARCH}
 
@@ -92,7 +92,7 @@ def test_a_sets_tune_batch_is_each_studys_search_batch_and_not_part_of_its_name(
     plan = load_plan(write_set(tmp_path, tune={"batch": 4}))
     alone = load_plan(write_set(tmp_path, tune={}))
     for pipeline in ("base", "other"):
-        assert plan.tuning[pipeline].search.batch == 4 and alone.tuning[pipeline].search.batch == 1
+        assert plan.tuning[pipeline].search.batch == 4 and alone.tuning[pipeline].search.batch == "auto"  # default
         assert plan.tuning[pipeline].search.study == alone.tuning[pipeline].search.study  # the same trials
 
 
@@ -260,16 +260,35 @@ def test_batch_auto_measures_a_trials_round_together_and_alone_and_keeps_to_its_
     finally:
         PipelineTrials.run = run
     measured = search.study.user_attrs["batch"]
-    assert measured["measured_on"] == 2  # the first batch: the two Sobol points (trial 0 one of them)
-    assert measured["round_s_together"] > 0 and measured["round_s_alone"] > 0
+    assert measured["measured_on"] == 2  # the first batch: two trials after trial 0 alone
+    assert measured["round_s_together"] > 0 and measured["round_s_alone"] > 0 and measured["memory_rise_bytes"] > 0
     cheaper = measured["round_s_together"] < measured["round_s_alone"]
     assert measured["size"] == (2 if cheaper else 1)
-    assert sizes[:2] == [2, 1]  # the batch, then trial 0's noise seed alone: what it weighs
-    assert sizes[2:] == ([2] if cheaper else [])  # the three trials left: a batch of 2 and one alone, or all alone
+    # trial 0 alone (what a batch is weighed against; a lone trial never asks PipelineTrials), the batch of two,
+    # then the two trials left: a batch of two, or each alone
+    assert sizes == [2, 2] if cheaper else sizes == [2]
     assert [line for line in lines if line.startswith("batch: auto: ")] == [
         f"batch: auto: a trial's round took {measured['round_s_alone']:.4f} s alone, "
         f"{measured['round_s_together']:.4f} s in a batch of 2: trials train {measured['size']} at a time"]
     assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 5
+
+
+def test_batch_auto_trains_one_at_a_time_where_half_the_memory_available_holds_fewer_than_two_trials(env, monkeypatch):
+    """The first batch's size is bounded by how far a lone trial raised the memory in use: where half the memory
+    available holds fewer than two such trials, the study trains one at a time, and says why."""
+    monkeypatch.setattr("fedpilot.tuning.memory_available", lambda device: 1)
+    spec = spec_of({**TINY, "search": {**SEARCH, "batch": "auto", "trials": 3}}, env)
+    sizes, lines, run = [], [], PipelineTrials.run
+    monkeypatch.setattr(PipelineTrials, "run",
+                        lambda self, *a, **k: sizes.append(len(self.values)) or run(self, *a, **k))
+    search = Search(spec, f"sqlite:///{env}/optuna.db", echo=lines.append)
+    search.run()
+    measured = search.study.user_attrs["batch"]
+    assert measured["size"] == 1 and measured["memory_rise_bytes"] > 0 and sizes == []
+    assert [line for line in lines if line.startswith("batch: auto: ")] == [
+        f"batch: auto: half the memory available holds 0 trial(s) at a trial's rise of "
+        f"{measured['memory_rise_bytes'] / 2**20:.0f} MiB: trials train 1 at a time"]
+    assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 3
 
 
 def test_a_batch_whose_process_is_killed_goes_stale_and_its_trials_are_retried(env):

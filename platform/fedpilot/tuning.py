@@ -39,9 +39,11 @@ from optuna.trial import TrialState
 
 from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
+from fedpilot.engine.memory import memory_available, memory_in_use
 from fedpilot.engine.trials import TrialBatch
 from fedpilot.errors import Diverged, SearchError, SpecError
 from fedpilot.leases import NamedLease
+from fedpilot.pipeline.checks import resolve_device
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.trials import PipelineTrials, TrialDropped
 from fedpilot.report import log_report
@@ -360,6 +362,8 @@ class Search:
         self._closed: set[str] = set()  # runs of dead trials already marked KILLED
         self._running: list[int] = []  # the ids of the trials this process runs (one, or a batch's)
         self._round_times: list[tuple[int, float]] = []  # searched stages' rounds in batches: (trials, seconds)
+        self._rises: list[int] = []  # how far lone trials raised the memory in use (bytes), while undecided
+        self.device = resolve_device(spec.device)
         self._batches = 0  # batches this process asked
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -406,15 +410,22 @@ class Search:
 
     def _batch_size(self, waiting: int) -> int:
         """How many trials a process asks at once: `search.batch`, or under `auto` what the study measured (its
-        BATCH attribute) and, until it has, the trials waiting (trial 0 and the Sobol points: the first batch), at
-        least two."""
+        BATCH attribute) and, until it has, one trial alone (its rounds' seconds and how far it raised the memory in
+        use), then the trials waiting (the Sobol points: the first batch), at least two, as many as half the memory
+        available holds at that trial's rise each (fewer than two: the study trains its trials one at a time)."""
         if self.search.batch != "auto":
             return self.search.batch
         measured = self.study.user_attrs.get(BATCH)
         if measured:
             return int(measured["size"])
-        batched = any(trials > 1 for trials, _ in self._round_times)
-        return 1 if batched else max(2, waiting)  # measured together: a trial alone next (trial 0's noise seed was not)
+        if not self._rises or not any(trials == 1 for trials, _ in self._round_times):
+            return 1
+        room = memory_available(self.device) // 2 // max(max(self._rises), 1)
+        if room < 2:
+            self._decide_batch(1, f"half the memory available holds {room} trial(s) at a trial's rise of "
+                                  f"{max(self._rises) / 2**20:.0f} MiB", {"memory_rise_bytes": max(self._rises)})
+            return 1
+        return int(min(max(2, waiting), room))
 
     def _measure_batch(self) -> None:
         """Under `batch: auto`, once a batch was asked and trials trained both together and alone (trial 0's noise
@@ -429,11 +440,16 @@ class Search:
         size = max(trials for trials, _ in self._round_times)
         together_s, alone_s = (float(np.median(times)) if times else None for times in (together, alone))
         chosen = size if together_s is not None and together_s < alone_s else 1
-        self.study.set_user_attr(BATCH, {"size": chosen, "measured_on": size, "round_s_together": together_s,
-                                         "round_s_alone": alone_s})
-        self.echo(f"batch: auto: a trial's round took {alone_s:.4f} s alone"
-                  + (f", {together_s:.4f} s in a batch of {size}" if together_s is not None else ", none batched")
-                  + f": trials train {chosen} at a time")
+        self._decide_batch(chosen, f"a trial's round took {alone_s:.4f} s alone" + (
+            f", {together_s:.4f} s in a batch of {size}" if together_s is not None else ", none batched"),
+            {"measured_on": size, "round_s_together": together_s, "round_s_alone": alone_s,
+             "memory_rise_bytes": max(self._rises, default=None)})
+
+    def _decide_batch(self, size: int, why: str, measured: dict[str, Any]) -> None:
+        """`batch: auto`'s choice for the study, in its BATCH attribute (every process and later run keeps to it),
+        and said."""
+        self.study.set_user_attr(BATCH, {"size": size, **measured})
+        self.echo(f"batch: auto: {why}: trials train {size} at a time")
 
     def _next(self, count: int) -> None:
         """The next `count` trials (waiting ones first), created under the lease, which is released once they
@@ -553,12 +569,15 @@ class Search:
         runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
                                 extra_callbacks=self._evaluation_callbacks(trial if first else None, evaluations))
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
+        before = memory_in_use(self.device) if self._undecided() else None
         try:
             result = runner.run(parent=self.run_id, tags=self._tags(trial, seed), started=started,
                                 name=self._run_name(trial, values, seed, first))
         finally:
             self.rounds_trained += runner.rounds_trained
             _record_evaluations(trial, seen)
+        if before is not None:  # a lone trial's rise: what each trial of a batch may add (`batch: auto`)
+            self._rises.append(max(int(s.metrics["peak_memory_bytes"]) - before for s in result.stages))
         return [self._value(result, o) for o in self.search.objective]
 
     def _run_name(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> str:
@@ -686,8 +705,11 @@ class Search:
 
     def _timing(self) -> list[RoundCallback]:
         """The callback keeping a searched stage's round times while `batch: auto` has not decided."""
-        undecided = self.search.batch == "auto" and BATCH not in self.study.user_attrs
-        return [RoundTimes(self._round_times)] if undecided else []
+        return [RoundTimes(self._round_times)] if self._undecided() else []
+
+    def _undecided(self) -> bool:
+        """Whether `batch: auto` has yet to choose the study's batch size."""
+        return self.search.batch == "auto" and BATCH not in self.study.user_attrs
 
     def _value(self, result: Any, objective: Any) -> float:
         names = [s.name for s in self.spec.stages]

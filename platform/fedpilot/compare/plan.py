@@ -51,7 +51,7 @@ class TuneSpec(Strict):
     a range that excludes the pipeline's written value is widened to include it (trial 0 is the pipeline as written)
     unless `widen: false`, which refuses it. tune_budget: also search what changes a client's work or model size.
     edge_trials: further trials a study spends beyond an edge of a range its best value lies near. batch: the trials
-    a study asks at once and trains together (its search's `batch`; `auto`: measured). splits: `fixed`
+    a study asks at once and trains together (its search's `batch`; `auto`, the default: measured). splits: `fixed`
     (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut per seed) or
     `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning seed's
     train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs tuned)."""
@@ -66,7 +66,7 @@ class TuneSpec(Strict):
     tune_budget: bool = False
     budget: Literal["per_method", "per_dimension"] = "per_method"
     edge_trials: int = Field(2, ge=0, le=MAX_EDGE_TRIALS)
-    batch: int | Literal["auto"] = 1
+    batch: int | Literal["auto"] = "auto"
     splits: Literal["fixed", "train_val", "redraw"] = "fixed"
     untuned: bool = False
 

@@ -126,6 +126,13 @@ def memory_in_use(device: torch.device, release: bool = True) -> int:
     return psutil.Process().memory_info().rss
 
 
+def memory_available(device: torch.device) -> int:
+    """The memory that more work could take (bytes): the GPU's free memory, else the machine's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
 def process_status(field: str) -> int | None:
     """A memory field of /proc/self/status in bytes (None off Linux)."""
     status = Path("/proc/self/status")

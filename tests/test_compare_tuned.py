@@ -255,12 +255,14 @@ def test_the_shipped_sets_tune_every_pipeline_after_their_shared_pretraining():
 def test_two_queue_workers_record_the_same_table_as_one_process(workdir, monkeypatch):
     """`--to queue --parallel 2` makes the comparison's run and two jobs; two workers share its studies and runs,
     the last records the table, and it is the table one process records (seeded, no pruning: which trial finishes
-    first would decide what is pruned)."""
+    first would decide what is pruned; one trial at a time: a batch's numbers are a lone trial's to float tolerance,
+    not bit for bit, and `batch: auto` times its choice)."""
     pinned = [{**stage, "execution": "vmap"} for stage in BASE["stages"]]
     write_pipeline(workdir, {**BASE, "name": "base", "stages": pinned}, "base.yaml")
     write_pipeline(workdir, {**OTHER, "stages": [pinned[0], {**pinned[1], "algorithm": "fedalt"}]}, "other.yaml")
     comparison = {"name": "pair", "seeds": 2, "pipelines": ["base.yaml", "other.yaml"],
-                  "tune": {"trials": 3, "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}}}
+                  "tune": {"trials": 3, "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"},
+                           "batch": 1}}
     (workdir / "pair.yaml").write_text(yaml.safe_dump(comparison))
     code, output = cli("compare", str(workdir / "pair.yaml"), "--storage", f"sqlite:///{workdir}/one.db")
     assert code == 0, output

@@ -19,7 +19,7 @@ from fedpilot.errors import UserError
 from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
 from fedpilot.tuning import PruneOnEvaluation, Search, make_pruner, make_sampler, quiet_optuna
-from pipeline_fixtures import SMALL, cli, run_id_of, write_pipeline
+from pipeline_fixtures import PLOTTED, SMALL, cli, run_id_of, write_pipeline
 from tuning_fixtures import pruned_at, study_with
 
 pytestmark = pytest.mark.slow  # starts services or processes (conftest runs these files first)
@@ -76,7 +76,7 @@ def env(workdir):
 
 
 def test_search_records_trials_under_one_run_and_resumes_by_name(env):
-    path = write_pipeline(env, TINY, "tiny.yaml")
+    path = write_pipeline(env, {**TINY, "tracking": PLOTTED["tracking"]}, "tiny.yaml")  # the search's plots too
     storage = f"sqlite:///{env}/optuna.db"
     code, output = cli("search", str(path), "--storage", storage)
     assert code == 0, output
@@ -273,7 +273,7 @@ def test_multi_objective_search_records_a_pareto_front_and_the_time_budget_stops
               "objective": [{"metric": "val_acc_weighted", "direction": "maximize"},
                             {"metric": "personal_bytes_per_client", "direction": "minimize"}],
               "sampler": {"kind": "nsga2", "seed": 0}}
-    spec = PipelineSpec.from_dict({**spec_with(search), "stages": TINY["stages"]})
+    spec = PipelineSpec.from_dict({**spec_with(search), "stages": TINY["stages"], "tracking": PLOTTED["tracking"]})
     result = Search(spec, f"sqlite:///{env}/optuna.db", trials=3, echo=lambda line: None).run()
     assert result.finished == 3 and result.pruned == 0
     client = MlflowClient()

@@ -403,7 +403,7 @@ class Search:
                 break
             time.sleep(1.0)  # other processes' trials are running; one may still fail and need a retry
         self.lease.release()
-        self._log_best(plots=True)
+        self._log_best(plots=self.spec.tracking.plots)
         if self.scope.report:
             self._log_report()
         return self._result()

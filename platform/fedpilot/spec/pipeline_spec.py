@@ -263,11 +263,37 @@ def _algorithm_params(name: str, params: dict[str, Any], key: str) -> dict[str, 
 
 
 def with_values(spec: PipelineSpec, values: dict[str, Any]) -> PipelineSpec:
-    """The pipeline with dotted `values` set (a search trial), validated like the original."""
-    config = OmegaConf.create(spec.resolved())
+    """The pipeline with dotted `values` set (a search trial), validated like the original; its `search` block is the
+    original's, checked with it (a search's trials set the keys it searches, so checking it again per trial would
+    only repeat that work)."""
+    raw = spec.resolved()
+    raw.pop("search", None)
     for key, value in values.items():
-        OmegaConf.update(config, key, value, merge=True)
-    return PipelineSpec.from_dict(OmegaConf.to_container(config))
+        set_dotted(raw, key, value)
+    changed = PipelineSpec.from_dict(raw)
+    changed.search = None if spec.search is None else spec.search.model_copy(deep=True)
+    return changed
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set `value` at the dotted `key` of plain data, as OmegaConf.update(merge=True) would: list items by index, a
+    missing or null mapping created on the way, a mapping value merged into the mapping there."""
+    node: Any = data
+    *path, leaf = key.split(".")
+    for part in path:
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        if not isinstance(node.get(part), dict | list):
+            node[part] = {}
+        node = node[part]
+    if isinstance(value, dict) and isinstance(node, dict) and isinstance(node.get(leaf), dict):
+        for inner, item in value.items():
+            set_dotted(node[leaf], inner, item)
+    elif isinstance(node, list):
+        node[int(leaf)] = value
+    else:
+        node[leaf] = value
 
 
 def stage_index(spec: PipelineSpec, stage: int | str, key: str) -> int:

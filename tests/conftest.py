@@ -59,7 +59,7 @@ def empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def new_mlflow_store(empty_mlflow_store: Path) -> Callable[[Path], str]:
     """new_mlflow_store(folder): the URI of folder/mlflow.db, a copy of the empty store as MLflow would have made it
     there (its Default experiment's artifacts under folder/mlruns; the rest of a new store does not depend on where

@@ -16,7 +16,7 @@ import yaml
 from mlflow import MlflowClient
 
 from fedpilot.tracking import COMPARE_RUN_TAG, STAGE_INDEX_TAG, STUDY_TAG, TRIAL_TAG
-from pipeline_fixtures import run_id_of, write_pipeline
+from pipeline_fixtures import cli, run_id_of, write_pipeline
 from tuning_fixtures import TUNED_BASE
 
 # The first study's trials are long enough to be stopped inside: the stop is sent within a poll (0.1 s and the
@@ -81,14 +81,13 @@ def test_a_comparison_stopped_inside_the_last_trial_of_a_study_runs_again_to_the
     stopped = optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False)[1]
     assert stopped.state == optuna.trial.TrialState.FAIL if stop == signal.SIGINT else stopped.state.name in (
         "RUNNING", "FAIL"), (stopped.state, stderr[-3000:])
-    rerun = subprocess.run([sys.executable, "-m", "fedpilot.cli", *command], cwd=workdir, env=os.environ.copy(),
-                           capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    code, output = cli(*command)  # the same command again, here (what it finds is what the stopped one left)
+    assert code == 0, output[-3000:]
     trials = optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False)
     finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == 2 and finished[-1].params == stopped.params  # the stopped trial, retried
     assert not any(t.state == optuna.trial.TrialState.RUNNING for t in trials)
-    client, run_id = MlflowClient(), run_id_of(rerun.stdout)
+    client, run_id = MlflowClient(), run_id_of(output)
     runs = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.`{COMPARE_RUN_TAG}` = '{run_id}'")
     assert sorted((r.data.tags["fedpilot.pipeline"], r.data.tags["fedpilot.seed"]) for r in runs
                   if r.info.status == "FINISHED") == [(p, s) for p in ("base", "other") for s in ("0", "1")]

@@ -46,11 +46,24 @@ def recorded(client: MlflowClient, run_id: str, folder: Path) -> dict:
     return json.loads(Path(client.download_artifacts(run_id, "comparison.json", str(folder))).read_text())
 
 
-def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(workdir):
-    storage = f"sqlite:///{workdir}/studies.db"
-    code, output = cli("compare", write_set(workdir, edge_trials=0), "--untuned", "--storage", storage)
+@pytest.fixture(scope="module")
+def tuned_pair(tmp_path_factory, new_mlflow_store) -> tuple[Path, str, str, str]:
+    """One tuned comparison of the pair (no trials beyond an edge, one trial at a time, and `--untuned`) in a folder
+    with its own stores, which several tests read: (folder, its tracking URI, its study storage, the output)."""
+    folder = tmp_path_factory.mktemp("pair")
+    uri, storage = new_mlflow_store(folder), f"sqlite:///{folder}/studies.db"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.setenv("FEDPILOT_CACHE", str(folder / "cache"))
+        code, output = cli("compare", write_set(folder, edge_trials=0, batch=1), "--untuned", "--storage", storage)
     assert code == 0, output
-    client, run_id = MlflowClient(), run_id_of(output)
+    return folder, uri, storage, output
+
+
+def test_every_pipeline_gets_n_trials_on_seeds_the_comparison_does_not_judge_on(tuned_pair):
+    workdir, uri, storage, output = tuned_pair
+    client, run_id = MlflowClient(uri), run_id_of(output)
     record = recorded(client, run_id, workdir)
     assert record["tuning_seeds"] == [2] and record["seeds"] == [0, 1] and record["objective"] == "val_acc_mean"
     experiment = client.get_run(run_id).info.experiment_id
@@ -122,17 +135,16 @@ def validation_of(client: MlflowClient, experiment: str, run_id: str, pipeline: 
     return float(participating(clients_frame(client, last.info.run_id))["val_acc"].mean())
 
 
-def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tuning(workdir, monkeypatch):
-    """Tuned twice into two stores: the second time every test metric of every trial is replaced by random numbers;
-    the studies choose the same values, so tuning never read the test split."""
+def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tuning(tuned_pair, workdir, monkeypatch):
+    """Tuned twice into two stores (the first: `tuned_pair`): the second time every test metric of every trial is
+    replaced by random numbers; the studies choose the same values, so tuning never read the test split."""
     import fedpilot.pipeline.runner as runner_module
     import fedpilot.tuning as tuning
 
-    set_file = write_set(workdir)
-    code, output = cli("compare", set_file, "--storage", f"sqlite:///{workdir}/first.db")
-    assert code == 0, output
-    first = {k: v for k, v in MlflowClient().get_run(run_id_of(output)).data.tags.items() if k.startswith("tuned.")}
+    _, uri, _, output = tuned_pair
+    first = {k: v for k, v in MlflowClient(uri).get_run(run_id_of(output)).data.tags.items() if k.startswith("tuned.")}
     assert first
+    set_file = write_set(workdir, edge_trials=0, batch=1)  # the same set
     real, trained, tuning_now = runner_module.stage_record, tuning.Search._trained, []
     noise = np.random.default_rng(0)
 

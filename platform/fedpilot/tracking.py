@@ -26,7 +26,7 @@ import numpy as np
 import optuna
 import sqlalchemy
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, Run
+from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.file_utils import local_file_uri_to_path
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -193,8 +193,10 @@ class Tracker:
         self.client.update_run(run_id, status="RUNNING")
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(run_id, key, value)
+        """`tags` in batches (MLflow takes at most 100 tags a request), not one request a tag."""
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, tags=items[i : i + 100])
 
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
@@ -285,9 +287,8 @@ class Tracker:
         CDF plot of the per-client `metric` comparing stages."""
         self.client.log_table(run_id, {k: [row[k] for row in summary] for k in summary[0]}, "stages.json")
         numbers = [{k: v for k, v in row.items() if _is_number(v)} for row in summary]
-        self.log_metrics(run_id, {f"{row['stage']}/{k}": v for row, nums in zip(summary, numbers, strict=True)
-                                  for k, v in nums.items()})
-        self.log_metrics(run_id, {f"final_{k}": v for k, v in numbers[-1].items()})
+        self.log_metrics(run_id, {**{f"{row['stage']}/{k}": v for row, nums in zip(summary, numbers, strict=True)
+                                     for k, v in nums.items()}, **{f"final_{k}": v for k, v in numbers[-1].items()}})
         if plot:
             self.client.log_figure(run_id, plots.accuracy_cdf(accuracy, metric=metric), f"plots/test_{metric}_cdf.png")
 

@@ -110,7 +110,8 @@ class ExecutorChoice:
         A `workload` this process timed before (FederatedStage.workload: the same local work but for values that
         only enter arithmetic, such as a study's trials and a comparison's seeds) takes that timing's choice and
         records it as taken (`executor_timing_reused`) instead of timing again."""
-        if workload is not None and not distributed() and workload in TIMED:
+        memo = workload is not None and not distributed()  # under DDP rank 0's choice is broadcast instead
+        if memo and workload in TIMED:
             (self.name, seconds, peak_bytes), per_call, self.clients_per_chunk = TIMED[workload]
             self.seconds, self.peak_bytes, self.clients_per_call = dict(seconds), dict(peak_bytes), dict(per_call)
             self.timing_s, self.reused = 0.0, True
@@ -126,7 +127,7 @@ class ExecutorChoice:
             dist.broadcast_object_list(chosen, src=0)
         (self.name, self.seconds, self.peak_bytes), self.clients_per_call, self.clients_per_chunk = chosen[0]
         self.timing_s = time.perf_counter() - began
-        if workload is not None and not distributed():
+        if memo:
             TIMED[workload] = chosen[0]
             while len(TIMED) > TIMED_KEPT:
                 TIMED.pop(next(iter(TIMED)))

@@ -6,6 +6,7 @@ killed comparison run again finishes every run once; bad input is refused before
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -170,6 +171,33 @@ def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tunin
     second = {k: v for k, v in MlflowClient(f"sqlite:///{workdir}/second.db").get_run(run_id_of(output)).data.tags
               .items() if k.startswith("tuned.")}
     assert second == first
+
+
+def test_the_cost_script_splits_a_comparisons_time_into_studies_and_reruns(tuned_pair, capsys):
+    """bench/compare_cost.py on the pair: every stage run counted once in its part (the studies: 4 trial runs of each
+    pipeline, the noise seed's included; the reruns: each pipeline on seeds 0 and 1, tuned and as written); the shared
+    first stage trained once per seed (2, 3, 0, 1) and taken from the cache everywhere else; the parts' wall time
+    within the comparison's."""
+    _, uri, _, output = tuned_pair
+    spec = importlib.util.spec_from_file_location("compare_cost", ROOT / "bench" / "compare_cost.py")
+    compare_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_cost)
+    client = MlflowClient(uri)
+    assert compare_cost.latest_comparison(client) == run_id_of(output)
+    figures = compare_cost.cost(client, run_id_of(output))
+    rows = {(row["part"], row["stages"]): row for row in figures["rows"]}
+    runs = {key: row["trained"] + row["cached"] for key, row in rows.items()}
+    assert runs == {("studies", "first stage"): 8, ("studies", "later stages"): 8,
+                    ("reruns, tuned", "first stage"): 4, ("reruns, tuned", "later stages"): 4,
+                    ("reruns, as written", "first stage"): 4, ("reruns, as written", "later stages"): 4}
+    assert sum(row["trained"] for (_, stages), row in rows.items() if stages == "first stage") == 4
+    assert rows["studies", "later stages"]["trained"] == 8  # no two trials alike: none from the cache
+    assert 0 < figures["in_stages_s"] <= figures["wall_s"]
+    assert all(row["wall_s"] <= figures["in_stages_s"] + 1e-9 for row in figures["rows"])
+    assert figures["in_stages_s"] <= sum(row["wall_s"] for row in figures["rows"]) + 1e-9
+    compare_cost.print_cost(figures)
+    printed = capsys.readouterr().out
+    assert f"comparison {run_id_of(output)}:" in printed and "outside stages" in printed
 
 
 @pytest.mark.slow

@@ -93,7 +93,21 @@ def cost(client: MlflowClient, run_id: str) -> dict:
              "wall_s": union_s(cell["intervals"])}
             for (part, stages), cell in sorted(cells.items(), key=lambda kv: (PARTS.index(kv[0][0]), kv[0][1]))]
     return {"run_id": run_id, "wall_s": (end - parent.info.start_time) / 1000, "in_stages_s": union_s(every),
-            "rows": rows}
+            "rows": rows, "pipelines": by_pipeline(run_id, runs, end)}
+
+
+def by_pipeline(run_id: str, runs: list[Run], end: int) -> list[dict]:
+    """Per pipeline, in the order it started: the wall seconds of its study (its search run, every trial with
+    Optuna's work between them) and of its reruns (union), from the comparison's own children; a run still open
+    counts to `end`."""
+    spans: dict[str, dict[str, list]] = defaultdict(lambda: {"study": [], "reruns": []})
+    for run in sorted(runs, key=lambda run: run.info.start_time):
+        tags = run.data.tags
+        if tags.get("mlflow.parentRunId") == run_id and "fedpilot.pipeline" in tags:
+            kind = "reruns" if "fedpilot.compare_variant" in tags else "study"
+            spans[tags["fedpilot.pipeline"]][kind].append((run.info.start_time, run.info.end_time or end))
+    return [{"pipeline": name, "study_s": union_s(span["study"]), "reruns_s": union_s(span["reruns"])}
+            for name, span in spans.items()]
 
 
 def latest_comparison(client: MlflowClient) -> str | None:
@@ -114,6 +128,9 @@ def print_cost(figures: dict) -> None:
               f"{row['wall_s'] / 60:>9.1f} {row['wall_s'] / total:>6.0%}")
     rest = total - figures["in_stages_s"]
     print(f"{'outside stages':<42} {rest / 60:>9.1f} {rest / total:>6.0%}")
+    print(f"\n{'pipeline':<28} {'study min':>9} {'reruns min':>10}")
+    for row in figures["pipelines"]:
+        print(f"{row['pipeline']:<28} {row['study_s'] / 60:>9.1f} {row['reruns_s'] / 60:>10.1f}")
 
 
 def main() -> None:

@@ -177,7 +177,7 @@ def test_the_cost_script_splits_a_comparisons_time_into_studies_and_reruns(tuned
     """bench/compare_cost.py on the pair: every stage run counted once in its part (the studies: 4 trial runs of each
     pipeline, the noise seed's included; the reruns: each pipeline on seeds 0 and 1, tuned and as written); the shared
     first stage trained once per seed (2, 3, 0, 1) and taken from the cache everywhere else; the parts' wall time
-    within the comparison's."""
+    within the comparison's; each pipeline's study and reruns, in the order the comparison took them."""
     _, uri, _, output = tuned_pair
     spec = importlib.util.spec_from_file_location("compare_cost", ROOT / "bench" / "compare_cost.py")
     compare_cost = importlib.util.module_from_spec(spec)
@@ -195,6 +195,9 @@ def test_the_cost_script_splits_a_comparisons_time_into_studies_and_reruns(tuned
     assert 0 < figures["in_stages_s"] <= figures["wall_s"]
     assert all(row["wall_s"] <= figures["in_stages_s"] + 1e-9 for row in figures["rows"])
     assert figures["in_stages_s"] <= sum(row["wall_s"] for row in figures["rows"]) + 1e-9
+    assert [row["pipeline"] for row in figures["pipelines"]] == ["base", "other"]  # in the order they ran
+    assert all(row["study_s"] > 0 and row["reruns_s"] > 0 for row in figures["pipelines"])
+    assert sum(row["study_s"] + row["reruns_s"] for row in figures["pipelines"]) <= figures["wall_s"]
     compare_cost.print_cost(figures)
     printed = capsys.readouterr().out
     assert f"comparison {run_id_of(output)}:" in printed and "outside stages" in printed

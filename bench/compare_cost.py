@@ -6,10 +6,11 @@ Optuna) is the rest.
 
     python bench/compare_cost.py [RUN_ID] [--tracking-uri URI] [--json FILE]
 
-RUN_ID: the comparison's run (the `run_id` its command ends with; default: the latest comparison in the store). A part's
-wall time is the union of its trained stage runs' intervals (start to end as MLflow recorded them), so stages that
-trained together (a batch of trials) count once; a stage taken from the cache counts as cached, not as time. The
-comparison's own interval spans every sitting of a resumed comparison, pauses included.
+RUN_ID: the comparison's run (the `run_id` its command ends with; default: the latest comparison in the store).
+`rounds`: the rounds its trained stages ran (each trial's; a batch's counted per trial). A part's wall time is the
+union of its trained stage runs' intervals (start to end as MLflow recorded them), so stages that trained together (a
+batch of trials) count once; a stage taken from the cache counts as cached, not as time. The comparison's own
+interval spans every sitting of a resumed comparison, pauses included.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def cost(client: MlflowClient, run_id: str) -> dict:
     parent = client.get_run(run_id)
     runs = descendants(client, parent)
     by_id = {run.info.run_id: run for run in runs}
-    cells: dict[tuple[str, str], dict] = defaultdict(lambda: {"trained": 0, "cached": 0, "intervals": []})
+    cells: dict[tuple[str, str], dict] = defaultdict(lambda: {"trained": 0, "cached": 0, "rounds": 0,
+                                                              "intervals": []})
     for run in runs:
         tags = run.data.tags
         part = "fedpilot.stage_index" in tags and part_of(by_id.get(tags.get("mlflow.parentRunId")), by_id)
@@ -86,11 +88,12 @@ def cost(client: MlflowClient, run_id: str) -> dict:
             cell["cached"] += tags.get("fedpilot.cache") == "hit"
             continue
         cell["trained"] += 1
+        cell["rounds"] += len(client.get_metric_history(run.info.run_id, "round_time_s"))
         cell["intervals"].append((run.info.start_time, run.info.end_time))
     end = parent.info.end_time or max(run.info.end_time or 0 for run in runs)
     every = [interval for cell in cells.values() for interval in cell["intervals"]]
     rows = [{"part": part, "stages": stages, "trained": cell["trained"], "cached": cell["cached"],
-             "wall_s": union_s(cell["intervals"])}
+             "rounds": cell["rounds"], "wall_s": union_s(cell["intervals"])}
             for (part, stages), cell in sorted(cells.items(), key=lambda kv: (PARTS.index(kv[0][0]), kv[0][1]))]
     return {"run_id": run_id, "wall_s": (end - parent.info.start_time) / 1000, "in_stages_s": union_s(every),
             "rows": rows, "pipelines": by_pipeline(run_id, runs, end)}
@@ -122,12 +125,12 @@ def print_cost(figures: dict) -> None:
     total = figures["wall_s"]
     print(f"comparison {figures['run_id']}: {total / 60:.1f} min wall, {figures['in_stages_s'] / 60:.1f} of them in "
           f"trained stages")
-    print(f"{'part':<20} {'stages':<13} {'trained':>8} {'cached':>7} {'wall min':>9} {'share':>6}")
+    print(f"{'part':<20} {'stages':<13} {'trained':>8} {'cached':>7} {'rounds':>7} {'wall min':>9} {'share':>6}")
     for row in figures["rows"]:
-        print(f"{row['part']:<20} {row['stages']:<13} {row['trained']:>8} {row['cached']:>7} "
+        print(f"{row['part']:<20} {row['stages']:<13} {row['trained']:>8} {row['cached']:>7} {row['rounds']:>7} "
               f"{row['wall_s'] / 60:>9.1f} {row['wall_s'] / total:>6.0%}")
     rest = total - figures["in_stages_s"]
-    print(f"{'outside stages':<42} {rest / 60:>9.1f} {rest / total:>6.0%}")
+    print(f"{'outside stages':<50} {rest / 60:>9.1f} {rest / total:>6.0%}")
     print(f"\n{'pipeline':<28} {'study min':>9} {'reruns min':>10}")
     for row in figures["pipelines"]:
         print(f"{row['pipeline']:<28} {row['study_s'] / 60:>9.1f} {row['reruns_s'] / 60:>10.1f}")

@@ -192,6 +192,8 @@ def test_the_cost_script_splits_a_comparisons_time_into_studies_and_reruns(tuned
                     ("reruns, as written", "first stage"): 4, ("reruns, as written", "later stages"): 4}
     assert sum(row["trained"] for (_, stages), row in rows.items() if stages == "first stage") == 4
     assert rows["studies", "later stages"]["trained"] == 8  # no two trials alike: none from the cache
+    first_rounds = TUNED_BASE["stages"][0]["rounds"]
+    assert sum(row["rounds"] for (_, stages), row in rows.items() if stages == "first stage") == 4 * first_rounds
     assert 0 < figures["in_stages_s"] <= figures["wall_s"]
     assert all(row["wall_s"] <= figures["in_stages_s"] + 1e-9 for row in figures["rows"])
     assert figures["in_stages_s"] <= sum(row["wall_s"] for row in figures["rows"]) + 1e-9

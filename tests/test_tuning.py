@@ -18,7 +18,16 @@ from mlflow import MlflowClient
 from fedpilot.errors import UserError
 from fedpilot.schema import SEED_MAX
 from fedpilot.spec import PipelineSpec
-from fedpilot.tuning import PruneOnEvaluation, Search, make_pruner, make_sampler, quiet_optuna
+from fedpilot.tuning import (
+    PruneOnEvaluation,
+    Search,
+    draws_before,
+    fail_interrupted,
+    make_pruner,
+    make_sampler,
+    quiet_optuna,
+    suggest,
+)
 from pipeline_fixtures import PLOTTED, SMALL, cli, run_id_of, write_pipeline
 from tuning_fixtures import pruned_at, study_with
 
@@ -295,6 +304,45 @@ def test_the_largest_sampler_seed_still_seeds_a_sampler_for_every_trial(kind):
     spec = PipelineSpec.from_dict(spec_with({**SEARCH, "sampler": {"kind": kind, "seed": SEED_MAX}}))
     for offset in (0, 1, 10**6):
         make_sampler(spec, offset)
+
+
+@pytest.mark.parametrize("kind", ["tpe", "random"])
+def test_a_study_stopped_inside_a_trial_and_resumed_draws_what_it_draws_uninterrupted(kind):
+    """The same four trials told to two studies, in one of them the second stopped inside (failed and retried with
+    its parameters by the path a stop takes, fail_interrupted), then resumed (the retry first): the next draw is the
+    same point in both. Seeded by the plain trial count it was not (the shift set's Self-FL study, stopped once, chose
+    another step size than uninterrupted and changed the verdict)."""
+    quiet_optuna()
+    spec = PipelineSpec.from_dict(spec_with({**SEARCH, "sampler": {"kind": kind, "seed": 0}}))
+    (key, param), = spec.search.space.items()
+    told = [(0.003, 0.50), (0.05, 0.61), (0.2, 0.40), (0.01, 0.55)]
+
+    def tell(study: optuna.Study, point: float, value: float) -> None:
+        study.enqueue_trial({key: point})
+        trial = study.ask()
+        suggest(trial, key, param)
+        study.tell(trial, value)
+
+    def next_point(study: optuna.Study, offset: int) -> float:
+        study.sampler = make_sampler(spec, offset, startup=1)
+        return suggest(study.ask(), key, param)
+
+    whole, stopped = optuna.create_study(direction="maximize"), optuna.create_study(direction="maximize")
+    for point, value in told:
+        tell(whole, point, value)
+    tell(stopped, *told[0])
+    stopped.enqueue_trial({key: told[1][0]})
+    fail_interrupted(stopped, stopped.ask()._trial_id, caught=False)  # FAIL, and a WAITING retry
+    retry = stopped.ask()  # resumed: the waiting retry first, with its parameters
+    assert suggest(retry, key, param) == told[1][0]
+    stopped.tell(retry, told[1][1])
+    for point, value in told[2:]:
+        tell(stopped, point, value)
+    assert [t.state.name for t in stopped.trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE", "COMPLETE"]
+    assert draws_before(stopped.trials) == draws_before(whole.trials) == 4
+    first = next_point(whole, draws_before(whole.trials))
+    assert next_point(stopped, draws_before(stopped.trials)) == first
+    assert next_point(stopped, len(stopped.trials) - 1) != first  # the trial count (5 told): another point
 
 
 def test_the_default_pruner_keeps_a_noisy_near_twin_of_the_best_and_prunes_a_clear_loser():

@@ -105,6 +105,15 @@ def fail_interrupted(study: optuna.Study, trial_id: int, caught: bool) -> None:
         RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)(study, copy.deepcopy(trial))
 
 
+def draws_before(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """The trial count a study's next draw is seeded with: its trials but those failed and retried (each retry
+    names the trials it stands for in `retry_history`), so that a study stopped inside a trial and resumed draws the
+    points it would have drawn uninterrupted (its verdict does not depend on where it was stopped). A trial failed
+    for good (diverged, out of retries) still counts: the next draw is a new one."""
+    retried = {number for trial in trials for number in trial.system_attrs.get("retry_history", ())}
+    return len(trials) - len(retried)
+
+
 def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
     """The trial's value for one space dimension."""
     if param.type == "categorical":
@@ -120,9 +129,10 @@ BATCH = "batch"  # a study's user attribute under `batch: auto`: the batch size 
 
 def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
                  startup: int = 0) -> optuna.samplers.BaseSampler:
-    """The search's sampler seeded with `seed + design + offset` (`design`: the study's own, `design_seed`; the trial
-    count: distinct seeds across processes), wrapped into the seeds numpy's RandomState takes (0 to SEED_MAX). TPE
-    models the trials once the `startup` ones (trial 0 and the Sobol points) are done."""
+    """The search's sampler seeded with `seed + design + offset` (`design`: the study's own, `design_seed`; `offset`:
+    the trials drawn before, draws_before: distinct seeds across processes), wrapped into the seeds numpy's
+    RandomState takes (0 to SEED_MAX). TPE models the trials once the `startup` ones (trial 0 and the Sobol points)
+    are done."""
     sampler = spec.search.sampler
     seed = (sampler.seed + design + offset) % (SEED_MAX + 1)
     if sampler.kind == "random":
@@ -458,9 +468,9 @@ class Search:
             self._batch(self._ask(count))
             self._measure_batch()
             return
-        # Seeded by the trial count, which the lease makes unique: a single process is reproducible and two
-        # processes never draw the same point.
-        self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
+        # Seeded by the trials drawn before (draws_before), a count the lease makes unique: a single process is
+        # reproducible, and two processes never draw the same point.
+        self.study.sampler = self._sampler(draws_before(self.study.get_trials(deepcopy=False)))
         try:
             self.study.optimize(self._objective, n_trials=1, callbacks=list(self.scope.callbacks))
         except optuna.exceptions.UpdateFinishedTrialError:
@@ -470,10 +480,11 @@ class Search:
 
     def _ask(self, count: int) -> list[optuna.Trial]:
         """`count` trials asked (Optuna's ask takes the waiting ones first), each point drawn by the sampler seeded
-        with the trial count as a lone trial's is, each beating at once (a trial that never beat is never stale)."""
+        with the trials drawn before as a lone trial's is (draws_before), each beating at once (a trial that never
+        beat is never stale)."""
         asked = []
         for _ in range(count):
-            self.study.sampler = self._sampler(len(self.study.get_trials(deepcopy=False)))
+            self.study.sampler = self._sampler(draws_before(self.study.get_trials(deepcopy=False)))
             with warnings.catch_warnings():  # that ask's trials get no heartbeat: these beat (heartbeats)
                 warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
                 asked.append(self.study.ask())

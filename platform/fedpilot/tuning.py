@@ -468,9 +468,7 @@ class Search:
             self._batch(self._ask(count))
             self._measure_batch()
             return
-        # Seeded by the trials drawn before (draws_before), a count the lease makes unique: a single process is
-        # reproducible, and two processes never draw the same point.
-        self.study.sampler = self._sampler(draws_before(self.study.get_trials(deepcopy=False)))
+        self._seed_next_draw()
         try:
             self.study.optimize(self._objective, n_trials=1, callbacks=list(self.scope.callbacks))
         except optuna.exceptions.UpdateFinishedTrialError:
@@ -484,7 +482,7 @@ class Search:
         beat is never stale)."""
         asked = []
         for _ in range(count):
-            self.study.sampler = self._sampler(draws_before(self.study.get_trials(deepcopy=False)))
+            self._seed_next_draw()
             with warnings.catch_warnings():  # that ask's trials get no heartbeat: these beat (heartbeats)
                 warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
                 asked.append(self.study.ask())
@@ -494,6 +492,11 @@ class Search:
 
     def _sampler(self, offset: int) -> optuna.samplers.BaseSampler:
         return make_sampler(self.spec, offset, self.design, self.startup + (self.scope.first is not None))
+
+    def _seed_next_draw(self) -> None:
+        """The study's sampler seeded with the trials drawn before (draws_before), a count the lease makes unique: a
+        single process is reproducible, and two processes never draw the same point."""
+        self.study.sampler = self._sampler(draws_before(self.study.get_trials(deepcopy=False)))
 
     def _start(self) -> None:
         """The study's first trials, enqueued: trial 0 (the pipeline as written, where given) and the Sobol points;

@@ -49,7 +49,7 @@ def recorded(client: MlflowClient, run_id: str, folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tuned_pair(tmp_path_factory, new_mlflow_store) -> tuple[Path, str, str, str]:
-    """One tuned comparison of the pair (no trials beyond an edge, one trial at a time, and `--untuned`) in a folder
+    """One tuned comparison of the pair (no trials beyond an edge, `batch: 1`, and `--untuned`) in a folder
     with its own stores, which several tests read: (folder, its tracking URI, its study storage, the output)."""
     folder = tmp_path_factory.mktemp("pair")
     uri, storage = new_mlflow_store(folder), f"sqlite:///{folder}/studies.db"
@@ -146,7 +146,7 @@ def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tunin
     first = {k: v for k, v in MlflowClient(uri).get_run(run_id_of(output)).data.tags.items() if k.startswith("tuned.")}
     assert first
     set_file = write_set(workdir, edge_trials=0, batch=1)  # the same set
-    real, trained, tuning_now = runner_module.stage_record, tuning.Search._trained, []
+    real, tuning_now = runner_module.stage_record, []
     noise = np.random.default_rng(0)
 
     def garbled(*args, **kwargs):
@@ -155,15 +155,18 @@ def test_the_choice_is_the_same_when_the_test_split_reads_as_garbage_while_tunin
             report.metrics.update({k: float(noise.random()) for k in report.metrics if k.startswith("test_")})
         return report
 
-    def trained_while_marked(self, *args, **kwargs):
-        tuning_now.append(True)
-        try:
-            return trained(self, *args, **kwargs)
-        finally:
-            tuning_now.pop()
+    def while_marked(method):  # a lone trial, or a wave of them
+        def call(self, *args, **kwargs):
+            tuning_now.append(True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                tuning_now.pop()
+        return call
 
     monkeypatch.setattr(runner_module, "stage_record", garbled)
-    monkeypatch.setattr(tuning.Search, "_trained", trained_while_marked)
+    monkeypatch.setattr(tuning.Search, "_trained", while_marked(tuning.Search._trained))
+    monkeypatch.setattr(tuning.Search, "_batch", while_marked(tuning.Search._batch))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir}/second.db")
     monkeypatch.setenv("FEDPILOT_CACHE", str(workdir / "second-cache"))
     code, output = cli("compare", set_file, "--storage", f"sqlite:///{workdir}/second.db.studies")
@@ -300,8 +303,8 @@ def test_the_shipped_sets_tune_every_pipeline_after_their_shared_pretraining():
 def test_two_queue_workers_record_the_same_table_as_one_process(workdir, monkeypatch):
     """`--to queue --parallel 2` makes the comparison's run and two jobs; two workers share its studies and runs,
     the last records the table, and it is the table one process records (seeded, no pruning: which trial finishes
-    first would decide what is pruned; one trial at a time: a batch's numbers are a lone trial's to float tolerance,
-    not bit for bit, and `batch: auto` times its choice)."""
+    first would decide what is pruned; `batch: 1`: each trial's rows on their own, bit for bit a lone trial's, where
+    a wider span is a lone trial's to float tolerance)."""
     pinned = [{**stage, "execution": "vmap"} for stage in BASE["stages"]]
     write_pipeline(workdir, {**BASE, "name": "base", "stages": pinned}, "base.yaml")
     write_pipeline(workdir, {**OTHER, "stages": [pinned[0], {**pinned[1], "algorithm": "fedalt"}]}, "other.yaml")
@@ -366,6 +369,7 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
     import fedpilot.tuning as tuning
     from fedpilot.engine.stage import FederatedStage
     from fedpilot.pipeline.runner import PipelineRunner
+    from fedpilot.pipeline.trials import PipelineTrials
 
     held: list[dict[str, int]] = []
     kinds = (PipelineRunner, FederatedStage, L.Trainer)
@@ -384,21 +388,31 @@ def test_nothing_of_a_finished_run_trial_or_study_stays_in_the_process(workdir, 
         return stages(self, *args, **kwargs)
 
     monkeypatch.setattr(tuning.Search, "_trained", counted(tuning.Search._trained))
+    monkeypatch.setattr(tuning.Search, "_batch_on", counted(tuning.Search._batch_on))
     monkeypatch.setattr(work.Work, "_run", counted(work.Work._run))
     monkeypatch.setattr(PipelineRunner, "_stages", first_stage)
+    trials_run = PipelineTrials.run
+
+    def wave(self, *args, **kwargs):  # a wave's first stage: its runners built, nothing trained
+        left.append(dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))))
+        return trials_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineTrials, "run", wave)
     before = census((*kinds, tuning.Search, optuna.Study, work.Work))  # what earlier tests in this process hold
     alive_before = dict(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds)))
     gc.disable()  # whenever Python's own collector would run: the runner frees what earlier runs left itself
     try:
         code, output = cli("compare", write_set(workdir, batch=1), "--storage", f"sqlite:///{workdir}/studies.db")
-    finally:  # batch: 1: every trial a lone run, each counted before it starts
+    finally:  # each lone trial and each wave counted before it starts
         gc.enable()
     assert code == 0, output
-    units = 2 * (3 + 1) + 2 * 2  # 6 trials, 2 noise seeds, 4 runs
+    units = 2 * (2 + 1) + 2 * 2  # per study trial 0 and its noise seed alone, its Sobol wave; 4 runs
     assert held == [{k: v for k, v in before.items() if k in (*(c.__name__ for c in kinds), "parameters")}] * units, \
         (held, before)
     own = Counter(alive_before) + Counter({"PipelineRunner": 1})  # its own runner, nothing left to collect
-    assert left == [dict(own)] * units, (left, alive_before)
+    waves = Counter(alive_before) + Counter({"PipelineRunner": 1 + 2})  # its base runner and its two trials'
+    expected = [dict(own)] * (units - 2) + [dict(waves)] * 2  # in the order the studies and runs come
+    assert sorted(map(str, left)) == sorted(map(str, expected)), (left, alive_before)
     assert census((*kinds, tuning.Search, optuna.Study, work.Work)) == before
     assert plt.get_fignums() == []
 

@@ -40,6 +40,27 @@ def test_a_batch_of_convolutional_trials_is_each_trial_alone():
                               executions=(("loop_batched_first", 7), ("loop_batched_first", 5), ("loop", 4)))
 
 
+@pytest.mark.parametrize("span", [1, 2])
+def test_a_batchs_chunks_hold_the_rows_of_at_most_its_span_of_trials(span, monkeypatch):
+    """`span` (a search's `batch`) bounds the trials one chunk's rows come from, not what they compute: with 1 each
+    trial's rows are computed on their own, bit for bit the trial alone."""
+    from fedpilot.engine import rounds
+
+    spans, train = [], rounds.train_chunk
+    monkeypatch.setattr(rounds, "train_chunk", lambda cohort, pieces, algorithm: spans.append(len(pieces)) or
+                        train(cohort, pieces, algorithm))
+    data = ToyData()
+    batch, results = run_trials("fedavg", [], FEDAVG_TRIALS, execution="vmap", chunk=21, data=data, span=span)
+    assert spans and max(spans) == span  # 3 trials of 7 rows, chunks of 21 rows: all three at once without a span
+    for values, (shared, _) in zip(FEDAVG_TRIALS, results, strict=True):
+        alone = built_stage("fedavg", [], None, values, 21, None, TinyMLP, data)
+        alone.executor_choice.pin("vmap")
+        fit(alone)
+        expected = stage_result(alone)[0]
+        same = all(torch.equal(shared[n], expected[n]) for n in expected)
+        assert same if span == 1 else all(torch.allclose(shared[n], expected[n], atol=1e-6) for n in expected)
+
+
 def test_each_trial_keeps_the_records_it_would_keep_alone():
     """Per-trial validation at every evaluation, the end's per-client metrics, bytes sent, server state."""
     data = ToyData()

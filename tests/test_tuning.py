@@ -208,10 +208,11 @@ def test_a_search_waits_out_another_process_holding_the_sqlite_write_lock(env):
 
 
 def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, db_url, new_mlflow_store):
-    """On PostgreSQL the pipeline asks for batches of two (`search.batch`): each worker takes two trials at a time
-    from the study and trains them together (issue 52: workers hand out batches, not single trials)."""
-    batch = 2 if db_url.startswith("postgresql") else 1
-    path = write_pipeline(tmp_path, {**TINY, "search": {**SEARCH, "batch": batch}}, "tiny.yaml")
+    """On PostgreSQL the space has two dimensions: trial 0 alone, then its three Sobol points as one wave, which the
+    worker that takes it trains together (issue 52: workers hand out waves, not single trials)."""
+    waves = db_url.startswith("postgresql")
+    space = {**SEARCH["space"], "stages.1.local.lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True}}
+    path = write_pipeline(tmp_path, {**TINY, "search": {**SEARCH, "space": space} if waves else SEARCH}, "tiny.yaml")
     for _ in range(2):
         code, output = cli("submit", str(path), "--search", "--trials", "4", "--db", db_url)
         assert code == 0, output
@@ -225,11 +226,11 @@ def test_two_workers_on_one_study_finish_exactly_the_requested_trials(tmp_path, 
     trials = optuna.load_study(study_name="small", storage=db_url).get_trials()
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert len({t.params["stages.1.params.lr_v"] for t in trials}) == 4  # no point evaluated twice
-    if batch > 1:
+    if waves:
         told = [line for j in jobs for line in json.loads(cli("jobs", "show", str(j["id"]), "--db", db_url,
                                                               "--json")[1])["stdout_tail"].splitlines()
                 if line.startswith("trial ")]
-        assert len(told) == 4 and all(line.endswith("in a batch of 2") for line in told), told
+        assert len(told) == 4 and sum(line.endswith("in a wave of 3") for line in told) == 3, told
 
 
 def test_a_worker_killed_mid_trial_has_its_trial_retried(tmp_path, new_mlflow_store):

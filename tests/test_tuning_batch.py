@@ -1,6 +1,7 @@
-"""A search's trials asked and trained as batches (`search.batch`, tuning.py on pipeline/trials.py): the same trials,
-values, states, best and MLflow records as one at a time; successive halving inside a batch (studies/halving.py); a
-batch stopped mid-way leaves no trial running and is retried; a bad `search.batch` or `tune.batch` is one line."""
+"""A search's trials trained in waves (tuning.py on pipeline/trials.py): the same trials, values, states, best and
+MLflow records whatever `search.batch` and whether a wave's trials batch; successive halving inside a wave
+(studies/halving.py); a wave stopped mid-way leaves no trial running and resumes into the same study; a bad
+`search.batch` or `tune.batch` is one line."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ SEARCH = {"space": SPACE, "objective": {"metric": "val_acc_weighted"}, "trials":
           "sampler": {"kind": "random", "seed": 0}, "pruner": {"kind": "none"}, "batch": 1}
 TINY = {**SMALL, "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 2}],
         "search": SEARCH}
+SPACE2 = {**SPACE, "stages.1.local.lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True}}
+WAVES = {**TINY, "search": {**SEARCH, "space": SPACE2, "trials": 5}}  # trial 0, its three Sobol points, a draw
 
 
 def spec_of(raw: dict, folder) -> PipelineSpec:
@@ -106,35 +109,67 @@ def trial_runs(client: MlflowClient, search_run: str) -> dict[str, dict]:
     return {r.info.run_name: {"tags": shown[r.info.run_id], "status": r.info.status} for r in runs}
 
 
-def test_a_batch_of_three_is_the_search_one_at_a_time(env):
-    spec = spec_of(TINY, env)
-    storage = f"sqlite:///{env}/optuna.db"
-    batched_spec = spec.model_copy(update={"search": spec.search.model_copy(update={"batch": 3})})
-    together = PipelineTrials.run
-    sizes = []
-    PipelineTrials.run = lambda self, *a, **k: sizes.append(len(self.values)) or together(self, *a, **k)
-    try:
-        one = Search(spec, storage, study="one", cache_dir=env / "one", echo=lambda line: None).run()
-        three = Search(batched_spec, storage, study="three", cache_dir=env / "three", echo=lambda line: None).run()
-    finally:
-        PipelineTrials.run = together
-    assert sizes == [3, 1]  # batch: 1 never asks PipelineTrials; batch: 3 trains its three, then trial 0's noise seed
-    studies = [optuna.load_study(study_name=name, storage=storage) for name in ("one", "three")]
-    lone, batched = (s.get_trials() for s in studies)
-    assert [t.params for t in lone] == [t.params for t in batched]
-    assert [t.state for t in lone] == [t.state for t in batched] == [optuna.trial.TrialState.COMPLETE] * 3
-    assert all(math.isclose(a.value, b.value, abs_tol=1e-6) for a, b in zip(lone, batched, strict=True))
-    assert one.best_params == three.best_params and studies[0].best_trial.number == studies[1].best_trial.number
-    assert one.rounds_trained == three.rounds_trained  # pretraining once per seed, each trial's stage and the noise
-    for a, b in zip(lone, batched, strict=True):
-        assert [a.user_attrs.get(k) for k in ("rounds", "origin", "noise")] == \
-               [b.user_attrs.get(k) for k in ("rounds", "origin", "noise")]
-        curves = [[v for curve in t.user_attrs["curves"].values() for _, v in curve] for t in (a, b)]
-        assert all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(*curves, strict=True))
-        assert "mlflow_run_id" in b.user_attrs
+def searched(env, raw: dict, study: str, batch, monkeypatch, alone: bool = False) -> tuple:
+    """A search of `raw` with `search.batch` at `batch` (`alone`: every trial of a wave in its own computation, as
+    pipeline/trials.py trains trials that cannot batch): its result, its trials, and the (trials, span) of each
+    PipelineTrials it ran."""
+    spec = spec_of({**raw, "search": {**raw["search"], "batch": batch}}, env)
+    sizes, run = [], PipelineTrials.run
+    with monkeypatch.context() as patch:
+        patch.setattr(PipelineTrials, "run", lambda self, *a, **k: sizes.append((len(self.values), self.span)) or
+                      run(self, *a, **k))
+        if alone:
+            patch.setattr("fedpilot.pipeline.trials._batches", lambda stages: [[k] for k, _ in stages])
+        search = Search(spec, f"sqlite:///{env}/optuna.db", study=study, cache_dir=env / study, echo=lambda line: None)
+        result = search.run()
+    return result, search.study.get_trials(), sizes
+
+
+def assert_same_study(a: tuple, b: tuple) -> None:
+    """Two searches' results and trials are the same: points, states, values and curves (to float tolerance: a
+    batched computation's sums are a lone one's to rounding), attributes, best, rounds, MLflow trial runs."""
+    (result_a, trials_a, _), (result_b, trials_b, _) = a, b
+    assert [t.params for t in trials_a] == [t.params for t in trials_b]
+    assert [t.state for t in trials_a] == [t.state for t in trials_b]
+    assert all(math.isclose(x.value, y.value, abs_tol=1e-6) for x, y in zip(trials_a, trials_b, strict=True))
+    for x, y in zip(trials_a, trials_b, strict=True):
+        assert [x.user_attrs.get(k) for k in ("rounds", "origin", "noise", "wave")] == \
+               [y.user_attrs.get(k) for k in ("rounds", "origin", "noise", "wave")]
+        assert sorted(x.intermediate_values) == sorted(y.intermediate_values)
+        curves = [[v for curve in t.user_attrs["curves"].values() for _, v in curve] for t in (x, y)]
+        assert all(math.isclose(p, q, abs_tol=1e-6) for p, q in zip(*curves, strict=True))
+    assert result_a.best_params == result_b.best_params and result_a.rounds_trained == result_b.rounds_trained
+    assert (result_a.finished, result_a.pruned) == (result_b.finished, result_b.pruned)
     client = MlflowClient()
-    assert trial_runs(client, one.run_id) == trial_runs(client, three.run_id)  # names, tags, FINISHED
-    assert len(trial_runs(client, three.run_id)) == 4  # three trials and trial 0's noise seed
+    assert trial_runs(client, result_a.run_id) == trial_runs(client, result_b.run_id)  # names, tags, statuses
+
+
+def test_a_studys_waves_train_the_same_trials_whatever_its_batch(env, monkeypatch):
+    """Trial 0 alone (and its noise seed), its three Sobol points as one wave, a draw alone: `batch` 1, 3 and `auto`,
+    and the wave's trials each in its own computation, give the same study."""
+    studies = {batch: searched(env, WAVES, f"batch-{batch}", batch, monkeypatch) for batch in (1, 3, "auto")}
+    studies["alone"] = searched(env, WAVES, "alone", 3, monkeypatch, alone=True)
+    assert [t.user_attrs["wave"] for t in studies[1][1]] == [0, 1, 1, 1, 2]
+    assert {batch: study[2] for batch, study in studies.items()} == {
+        1: [(3, 1)], 3: [(3, 3)], "auto": [(3, None)], "alone": [(3, 3)]}  # the wave, and how many a chunk spans
+    for batch in (3, "auto", "alone"):
+        assert_same_study(studies[1], studies[batch])
+    assert len(trial_runs(MlflowClient(), studies[1][0].run_id)) == 6  # five trials and trial 0's noise seed
+
+
+def test_tpe_the_pruner_and_halving_find_the_same_whatever_the_batch(env, monkeypatch):
+    """A study whose draws follow TPE, whose pruner judges against earlier waves and whose Sobol wave is halved at
+    its rungs (the margin measured by trial 0's noise seed) is the same under `batch: 1` and `auto`."""
+    search = {**SEARCH, "space": SPACE2, "trials": 7, "sampler": {"kind": "tpe", "seed": 0},
+              "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0}}
+    raw = {**TINY, "evaluation": {"every": 1}, "search": search,
+           "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 9}]}
+    one, auto = (searched(env, raw, f"tpe-{batch}", batch, monkeypatch) for batch in (1, "auto"))
+    assert_same_study(one, auto)
+    trials = one[1]
+    assert [t.user_attrs["wave"] for t in trials] == [0, 1, 1, 1, 2, 3, 4]
+    assert [t.user_attrs["origin"] for t in trials[4:]] == ["tpe"] * 3
+    assert any(t.state.name == "PRUNED" for t in trials), [t.state.name for t in trials]  # the rules did judge
 
 
 def test_halving_drops_the_losers_of_a_batch_at_its_rungs(env):
@@ -166,12 +201,12 @@ def test_halving_drops_the_losers_of_a_batch_at_its_rungs(env):
         assert client.search_runs([experiment], f"tags.fedpilot.trial = '{trial.number}'")
 
 
-def test_a_batch_stopped_midway_leaves_no_trial_running_and_is_retried(env, monkeypatch):
-    spec = spec_of({**TINY, "search": {**SEARCH, "batch": 3}}, env)
+def test_a_wave_stopped_midway_leaves_no_trial_running_and_resumes_into_the_same_study(env, monkeypatch):
+    spec = spec_of({**WAVES, "search": {**WAVES["search"], "batch": 3}}, env)
     storage = f"sqlite:///{env}/optuna.db"
     together = PipelineTrials._together
 
-    def stopped(self, index, members, *rest):  # Ctrl+C as the batch's searched stage starts, pretraining done
+    def stopped(self, index, members, *rest):  # Ctrl+C as the wave's searched stage starts, pretraining done
         raise KeyboardInterrupt
 
     monkeypatch.setattr(PipelineTrials, "_together", stopped)
@@ -179,18 +214,24 @@ def test_a_batch_stopped_midway_leaves_no_trial_running_and_is_retried(env, monk
         Search(spec, storage, echo=lambda line: None).run()
     study = optuna.load_study(study_name="small", storage=storage)
     states = [t.state.name for t in study.get_trials()]
-    assert "RUNNING" not in states and states.count("FAIL") == 3 and states.count("WAITING") == 3
+    assert states == ["COMPLETE"] + ["FAIL"] * 3 + ["WAITING"] * 3  # trial 0 told; its wave failed and retried
     client = MlflowClient()
     experiment = client.get_experiment_by_name("small").experiment_id
     assert not client.search_runs([experiment], "attributes.status = 'RUNNING'")
     monkeypatch.setattr(PipelineTrials, "_together", together)
     result = Search(spec, storage, echo=lambda line: None).run()
     trials = study.get_trials()
-    failed, done = trials[:3], trials[3:]
-    assert [t.state.name for t in failed] == ["FAIL"] * 3 and [t.state.name for t in done] == ["COMPLETE"] * 3
-    assert [t.system_attrs["failed_trial"] for t in done] == [0, 1, 2]  # the same trials, retried
-    assert [t.params for t in done] == [t.params for t in failed]
-    assert result.finished == 3 and not client.search_runs([experiment], "attributes.status = 'RUNNING'")
+    failed, retried = trials[1:4], trials[4:7]
+    assert [t.state.name for t in retried] == ["COMPLETE"] * 3 and result.finished == 5
+    assert [t.system_attrs["failed_trial"] for t in retried] == [1, 2, 3]  # the same trials, retried
+    assert [t.params for t in retried] == [t.params for t in failed]
+    assert not client.search_runs([experiment], "attributes.status = 'RUNNING'")
+    whole = Search(spec, storage, study="whole", cache_dir=env / "whole", echo=lambda line: None)
+    whole.run()
+    told = [t for t in trials if t.state.name == "COMPLETE"]  # the stop moved nothing a study finds
+    uninterrupted = whole.study.get_trials()
+    assert [t.params for t in told] == [t.params for t in uninterrupted]
+    assert all(math.isclose(a.value, b.value, abs_tol=1e-6) for a, b in zip(told, uninterrupted, strict=True))
 
 
 def test_a_tuned_comparison_in_batches_records_what_it_records_one_trial_at_a_time(workdir, new_mlflow_store,
@@ -214,7 +255,7 @@ def test_a_tuned_comparison_in_batches_records_what_it_records_one_trial_at_a_ti
         studies = [optuna.load_study(study_name=records[-1]["tuning"][p]["study"], storage=f"sqlite:///{folder}/"
                                      "studies.db") for p in ("base", "other")]
         records[-1]["trials"] = [[(t.number, t.state.name, t.params) for t in s.get_trials()] for s in studies]
-    assert sizes[1] == [] and max(sizes[3]) == 3  # one study's first batch: trial 0 and its two Sobol points
+    assert sizes[1] == sizes[3] and max(sizes[3]) == 2  # each study's second wave: trial 0's two Sobol points
     one, three = (flat({k: v for k, v in r.items() if k != "runs"}) for r in records)  # runs: their ids
     assert one.keys() == three.keys()  # trial 0, the Sobol points and the trials beyond an edge: the same trials,
     for key, value in one.items():  # the same scores, verdicts, studies' values and choices
@@ -234,13 +275,12 @@ def flat(value: object, path: str = "") -> dict[str, object]:
 def test_a_trial_of_a_batch_trained_alone_is_pruned_as_a_lone_trial_is(env, monkeypatch):
     monkeypatch.setattr("fedpilot.pipeline.trials._batches", lambda stages: [[k] for k, _ in stages])  # none batch
     search = {**SEARCH, "space": {"stages.1.local.lr": {"type": "float", "low": 1e-6, "high": 0.3, "log": True}},
-              "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0, "margin": 0}, "batch": 2,
-              "trials": 4}
+              "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0, "margin": 0}, "trials": 4}
     raw = {**TINY, "search": search, "stages": [{**SMALL["stages"][0], "rounds": 2},
                                                 {**SMALL["stages"][1], "rounds": 6, "params": {"lr_v": 1e-6}}]}
     runner = Search(spec_of(raw, env), f"sqlite:///{env}/optuna.db", echo=lambda line: None)
-    for lr in (0.05, 0.03, 1e-6, 3e-6):  # two batches of two: the first finishes, the second learns nothing
-        runner.study.enqueue_trial({"stages.1.local.lr": lr})
+    for wave, lr in enumerate((0.05, 0.03, 1e-6, 3e-6)):  # two waves of two: the first finishes, the second
+        runner.study.enqueue_trial({"stages.1.local.lr": lr}, user_attrs={"wave": wave // 2})  # learns nothing
     result = runner.run()
     trials = runner.study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"] and result.pruned == 2
@@ -250,51 +290,13 @@ def test_a_trial_of_a_batch_trained_alone_is_pruned_as_a_lone_trial_is(env, monk
         assert client.get_run(trial.user_attrs["mlflow_run_id"]).info.status == "KILLED"
 
 
-def test_batch_auto_measures_a_trials_round_together_and_alone_and_keeps_to_its_choice(env):
-    spec = spec_of({**TINY, "search": {**SEARCH, "batch": "auto", "trials": 5}}, env)
-    sizes, lines, run = [], [], PipelineTrials.run
-    PipelineTrials.run = lambda self, *a, **k: sizes.append(len(self.values)) or run(self, *a, **k)
-    try:
-        search = Search(spec, f"sqlite:///{env}/optuna.db", echo=lines.append)
-        search.run()
-    finally:
-        PipelineTrials.run = run
-    measured = search.study.user_attrs["batch"]
-    assert measured["measured_on"] == 2  # the first batch: two trials after trial 0 alone
-    assert measured["round_s_together"] > 0 and measured["round_s_alone"] > 0 and measured["memory_rise_bytes"] > 0
-    cheaper = measured["round_s_together"] < measured["round_s_alone"]
-    assert measured["size"] == (2 if cheaper else 1)
-    # trial 0 alone (what a batch is weighed against; a lone trial never asks PipelineTrials), the batch of two,
-    # then the two trials left: a batch of two, or each alone
-    assert sizes == [2, 2] if cheaper else sizes == [2]
-    assert [line for line in lines if line.startswith("batch: auto: ")] == [
-        f"batch: auto: a trial's round took {measured['round_s_alone']:.4f} s alone, "
-        f"{measured['round_s_together']:.4f} s in a batch of 2: trials train {measured['size']} at a time"]
-    assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 5
-
-
-def test_batch_auto_trains_one_at_a_time_where_half_the_memory_available_holds_fewer_than_two_trials(env, monkeypatch):
-    """The first batch's size is bounded by how far a lone trial raised the memory in use: where half the memory
-    available holds fewer than two such trials, the study trains one at a time, and says why."""
-    monkeypatch.setattr("fedpilot.tuning.memory_available", lambda device: 1)
-    spec = spec_of({**TINY, "search": {**SEARCH, "batch": "auto", "trials": 3}}, env)
-    sizes, lines, run = [], [], PipelineTrials.run
-    monkeypatch.setattr(PipelineTrials, "run",
-                        lambda self, *a, **k: sizes.append(len(self.values)) or run(self, *a, **k))
-    search = Search(spec, f"sqlite:///{env}/optuna.db", echo=lines.append)
-    search.run()
-    measured = search.study.user_attrs["batch"]
-    assert measured["size"] == 1 and measured["memory_rise_bytes"] > 0 and sizes == []
-    assert [line for line in lines if line.startswith("batch: auto: ")] == [
-        f"batch: auto: half the memory available holds 0 trial(s) at a trial's rise of "
-        f"{measured['memory_rise_bytes'] / 2**20:.0f} MiB: trials train 1 at a time"]
-    assert len(search.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 3
-
-
 def test_a_batch_whose_process_is_killed_goes_stale_and_its_trials_are_retried(env):
     slow = {**TINY, "evaluation": {"every": 10_000}, "search": {**SEARCH, "batch": 3},
             "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 3000}]}
     path, storage = write_pipeline(env, slow, "slow.yaml"), f"sqlite:///{env}/optuna.db"
+    hand = optuna.create_study(study_name="small", storage=storage, direction="maximize")
+    for lr in (0.01, 0.02, 0.03):  # enqueued by hand, without a wave: one wave
+        hand.enqueue_trial({"stages.1.params.lr_v": lr})
     script = ("from fedpilot.spec import load_pipeline; from fedpilot.tuning import Search; "
               f"Search(load_pipeline({str(path)!r}, []), {storage!r}, heartbeat_seconds=1).run()")
     victim = subprocess.Popen([sys.executable, "-c", script], cwd=env, stdout=subprocess.DEVNULL,
@@ -325,9 +327,10 @@ def test_a_batch_whose_process_is_killed_goes_stale_and_its_trials_are_retried(e
                                                                                 for t in trials[:3]]
 
 
-def test_fedpilot_search_trains_the_pipelines_batch(env):
-    path = write_pipeline(env, {**TINY, "search": {**SEARCH, "batch": 3}}, "tiny.yaml")
+def test_fedpilot_search_trains_its_waves_together(env):
+    path = write_pipeline(env, {**WAVES, "search": {**WAVES["search"], "batch": 3}}, "tiny.yaml")
     code, output = cli("search", str(path), "--storage", f"sqlite:///{env}/optuna.db")
     assert code == 0, output
     told = [line for line in output.splitlines() if line.startswith("trial ")]
-    assert len(told) == 3 and all("val_acc_weighted=" in line and line.endswith("in a batch of 3") for line in told)
+    assert len(told) == 5 and all("val_acc_weighted=" in line for line in told)
+    assert [line.endswith("in a wave of 3") for line in told] == [False, True, True, True, False]

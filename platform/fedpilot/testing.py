@@ -168,14 +168,15 @@ def stage_result(stage: FederatedStage, own: list[str] | None = None) -> tuple[T
 def run_trials(algorithm: Algorithm | str, personal: list[str] | None, values: list[dict[str, Any]],
                params: dict[str, Any] | None = None, execution: str = "sequential", chunk: int = 1,
                local: LocalConfig | None = None, model: Callable[[], nn.Module] = TinyMLP,
-               data: ClientData | None = None) -> tuple[TrialBatch, list[tuple[Tensors, Tensors]]]:
+               data: ClientData | None = None, span: int | None = None) -> tuple[TrialBatch, list[tuple[Tensors,
+                                                                                                     Tensors]]]:
     """The trials with the stage keys `values` (one dict a trial) of `run_stage`'s stage trained as one batch
-    (engine.trials.TrialBatch; chunks of `chunk` rows may span trials): the batch, and each trial's (shared
-    parameters, personal bank)."""
+    (engine.trials.TrialBatch; chunks of `chunk` rows may span `span` trials, None: all): the batch, and each
+    trial's (shared parameters, personal bank)."""
     from fedpilot.engine.trials import TrialBatch
 
     data = data or ToyData()
-    batch = TrialBatch([built_stage(algorithm, personal, params, v, chunk, local, model, data) for v in values])
+    batch = TrialBatch([built_stage(algorithm, personal, params, v, chunk, local, model, data) for v in values], span)
     batch.lead.executor_choice.pin(execution)
     fit(batch)
     return batch, [stage_result(stage) for stage in batch.trials]

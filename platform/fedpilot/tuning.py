@@ -12,8 +12,13 @@ TPE (studies/points.py); trial 0 also trains a second seed, whose evaluations me
 is made of (studies/pruner.py); once its trials are done, a best value near an edge of its range grows the range
 and spends `edge_trials` further trials beyond it (studies/edges.py).
 
-With `batch: K` (K > 1) a process asks K trials at once and trains them together (pipeline/trials.py), each recorded
-and told as a lone trial; inside the batch, successive halving drops the losers at its rungs (studies/halving.py).
+A study's trials come in waves that its design fixes, whatever the machine: trial 0 alone (its noise seed measures
+the margin), the other start-up points together, each TPE draw alone (drawn from every trial told before it), the
+trials beyond an edge together. A wave's trials train together (pipeline/trials.py: one batched computation wherever
+the algorithm and their values allow), each recorded and told as a lone trial, judged by the pruner against the trials
+of earlier waves only, and against each other at the rungs of successive halving (studies/halving.py). `batch` says
+only how many of a wave's trials one chunk's computation spans (`auto`: as many as the executor timed fastest
+batches; 1: each trial's rows on their own), so it changes how fast a study runs, never what it finds.
 """
 
 from __future__ import annotations
@@ -39,11 +44,9 @@ from optuna.trial import TrialState
 
 from fedpilot.db import engine_options
 from fedpilot.engine.hooks import RoundCallback, RoundResult
-from fedpilot.engine.memory import memory_available, memory_in_use
 from fedpilot.engine.trials import TrialBatch
 from fedpilot.errors import Diverged, SearchError, SpecError
 from fedpilot.leases import NamedLease
-from fedpilot.pipeline.checks import resolve_device
 from fedpilot.pipeline.runner import PipelineRunner
 from fedpilot.pipeline.trials import PipelineTrials, TrialDropped
 from fedpilot.report import log_report
@@ -124,7 +127,7 @@ def suggest(trial: optuna.Trial, key: str, param: Param) -> Any:
 
 
 NOISE = "noise"  # a trial's user attribute: it also trains the study's noise seed(s)
-BATCH = "batch"  # a study's user attribute under `batch: auto`: the batch size it measured, and its timings
+WAVE = "wave"  # a trial's user attribute: the wave it trains in (module docstring)
 
 
 def make_sampler(spec: PipelineSpec, offset: int = 0, design: int = 0,
@@ -219,18 +222,6 @@ class PruneOnEvaluation(RoundCallback):
 class Pruned(TrialDropped, optuna.TrialPruned):
     """A trial of a batch pruned (Optuna's pruner, or a rung of successive halving): dropped from its batch, its
     runs KILLED as a lone pruned trial's are."""
-
-
-class RoundTimes(RoundCallback):
-    """Each round's (trials it trained, seconds) into `times`: what `batch: auto` weighs (Search._measure_batch)."""
-
-    def __init__(self, times: list[tuple[int, float]]):
-        self.times = times
-
-    def on_round_end(self, trainer: Any, stage: Any, result: RoundResult) -> None:
-        if "round_time_s" in result.metrics:
-            trials = len(result.trials) if isinstance(stage, TrialBatch) else 1
-            self.times.append((trials, result.metrics["round_time_s"]))
 
 
 class BatchEvaluations(RoundCallback):
@@ -370,11 +361,7 @@ class Search:
         self.run_id = self.lease.mlflow_run(self._create_search_run, self.tracker.client.delete_run)
         self.rounds_trained = 0
         self._closed: set[str] = set()  # runs of dead trials already marked KILLED
-        self._running: list[int] = []  # the ids of the trials this process runs (one, or a batch's)
-        self._round_times: list[tuple[int, float]] = []  # searched stages' rounds in batches: (trials, seconds)
-        self._rises: list[int] = []  # how far lone trials raised the memory in use (bytes), while undecided
-        self.device = resolve_device(spec.device)
-        self._batches = 0  # batches this process asked
+        self._running: list[int] = []  # the ids of the trials this process runs (one, or a wave's)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -403,9 +390,9 @@ class Search:
             if len(trials) >= self.trials and not _busy(trials) and EDGES not in self.study.user_attrs:
                 self._grow_edges()
                 trials = self.study.get_trials(deepcopy=False, states=STARTED)
-            waiting = sum(t.state == TrialState.WAITING for t in trials)
+            waiting = [t for t in trials if t.state == TrialState.WAITING]
             if waiting or len(trials) < self.trials:
-                self._next(min(self._batch_size(waiting), waiting + max(0, self.trials - len(trials))))
+                self._next(wave_size(waiting) if waiting else 1)
                 self._log_best()
                 continue
             self.lease.release()
@@ -418,55 +405,11 @@ class Search:
             self._log_report()
         return self._result()
 
-    def _batch_size(self, waiting: int) -> int:
-        """How many trials a process asks at once: `search.batch`, or under `auto` what the study measured (its
-        BATCH attribute) and, until it has, one trial alone (its rounds' seconds and how far it raised the memory in
-        use), then the trials waiting (the Sobol points: the first batch), at least two, as many as half the memory
-        available holds at that trial's rise each (fewer than two: the study trains its trials one at a time)."""
-        if self.search.batch != "auto":
-            return self.search.batch
-        measured = self.study.user_attrs.get(BATCH)
-        if measured:
-            return int(measured["size"])
-        if not self._rises or not any(trials == 1 for trials, _ in self._round_times):
-            return 1
-        room = memory_available(self.device) // 2 // max(max(self._rises), 1)
-        if room < 2:
-            self._decide_batch(1, f"half the memory available holds {room} trial(s) at a trial's rise of "
-                                  f"{max(self._rises) / 2**20:.0f} MiB", {"memory_rise_bytes": max(self._rises)})
-            return 1
-        return int(min(max(2, waiting), room))
-
-    def _measure_batch(self) -> None:
-        """Under `batch: auto`, once a batch was asked and trials trained both together and alone (trial 0's noise
-        seed, alone, on the same stages, or else the next trial): the median seconds a trial's round of the searched
-        stages took in a batch against alone decide the study's batch size, recorded in its BATCH attribute: the size
-        of the batch measured where a trial's round is cheaper in it, else 1 (also where the batch's trials all
-        trained alone: the algorithm or the space does not batch)."""
-        together = [seconds / trials for trials, seconds in self._round_times if trials > 1]
-        alone = [seconds for trials, seconds in self._round_times if trials == 1]
-        if self.search.batch != "auto" or BATCH in self.study.user_attrs or not alone or not self._batches:
-            return
-        size = max(trials for trials, _ in self._round_times)
-        together_s, alone_s = (float(np.median(times)) if times else None for times in (together, alone))
-        chosen = size if together_s is not None and together_s < alone_s else 1
-        self._decide_batch(chosen, f"a trial's round took {alone_s:.4f} s alone" + (
-            f", {together_s:.4f} s in a batch of {size}" if together_s is not None else ", none batched"),
-            {"measured_on": size, "round_s_together": together_s, "round_s_alone": alone_s,
-             "memory_rise_bytes": max(self._rises, default=None)})
-
-    def _decide_batch(self, size: int, why: str, measured: dict[str, Any]) -> None:
-        """`batch: auto`'s choice for the study, in its BATCH attribute (every process and later run keeps to it),
-        and said."""
-        self.study.set_user_attr(BATCH, {"size": size, **measured})
-        self.echo(f"batch: auto: {why}: trials train {size} at a time")
-
     def _next(self, count: int) -> None:
-        """The next `count` trials (waiting ones first), created under the lease, which is released once they
+        """The next wave of `count` trials (waiting ones first), created under the lease, which is released once they
         exist: one through Optuna's optimize, several asked at once and trained together (`_batch`)."""
         if count > 1:
             self._batch(self._ask(count))
-            self._measure_batch()
             return
         self._seed_next_draw()
         try:
@@ -474,7 +417,6 @@ class Search:
         except optuna.exceptions.UpdateFinishedTrialError:
             self.echo(OUTLIVED)
         self._running = []  # told; a stop raised out of optimize leaves it set (run: fail_interrupted)
-        self._measure_batch()
 
     def _ask(self, count: int) -> list[optuna.Trial]:
         """`count` trials asked (Optuna's ask takes the waiting ones first), each point drawn by the sampler seeded
@@ -500,11 +442,15 @@ class Search:
 
     def _start(self) -> None:
         """The study's first trials, enqueued: trial 0 (the pipeline as written, where given) and the Sobol points;
-        the first of them also trains the noise seed."""
+        the first of them also trains the noise seed, alone (wave 0), the others after it as one wave."""
         points = [({**self.scope.first}, WRITTEN)] if self.scope.first is not None else []
         points += [(p, SOBOL) for p in sobol_points(self.search.space, self.startup, self.design)]
         for i, (values, origin) in enumerate(points):
-            self.study.enqueue_trial(values, user_attrs={ORIGIN: origin, NOISE: i == 0})
+            self.study.enqueue_trial(values, user_attrs={ORIGIN: origin, NOISE: i == 0, WAVE: min(i, 1)})
+
+    def _new_wave(self) -> int:
+        """The number of a wave after every wave of the study's trials."""
+        return 1 + max((t.user_attrs.get(WAVE, -1) for t in self.study.get_trials(deepcopy=False)), default=-1)
 
     def space(self) -> dict[str, Param]:
         """The searched space, with the ranges this study grew beyond an edge."""
@@ -516,6 +462,7 @@ class Search:
         at the best trial's (recorded in the study's EDGES attribute, decided once)."""
         complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         grown_ranges: dict[str, dict[str, Any]] = {}
+        wave = self._new_wave()  # the trials beyond the edges: one wave
         if complete and len(self.search.objective) == 1 and self.search.edge_trials:
             best = self.study.best_trial.params
             for key, param in self.search.space.items():
@@ -526,7 +473,8 @@ class Search:
                     grown_ranges[key] = {"side": side, "low": min(wider.low, *values),
                                          "high": max(wider.high, *values)}
                 for value in values:
-                    self.study.enqueue_trial({**best, key: value}, user_attrs={ORIGIN: BEYOND_EDGE, NOISE: False})
+                    self.study.enqueue_trial({**best, key: value},
+                                             user_attrs={ORIGIN: BEYOND_EDGE, NOISE: False, WAVE: wave})
         self.study.set_user_attr(EDGES, grown_ranges)
 
     def _valid(self, key: str, value: Any) -> bool:
@@ -545,6 +493,8 @@ class Search:
         return values
 
     def _objective(self, trial: optuna.Trial) -> float | list[float]:
+        if WAVE not in trial.user_attrs:  # a new draw (under the lease): a wave of its own
+            trial.set_user_attr(WAVE, self._new_wave())
         self.lease.release()
         self._running = [trial._trial_id]
         values = self._values(trial)
@@ -583,15 +533,12 @@ class Search:
         runner = PipelineRunner(spec, cache_dir=self.cache_dir, progress=False,
                                 extra_callbacks=self._evaluation_callbacks(trial if first else None, evaluations))
         started = (lambda run_id: trial.set_user_attr("mlflow_run_id", run_id)) if first else (lambda run_id: None)
-        before = memory_in_use(self.device) if self._undecided() else None
         try:
             result = runner.run(parent=self.run_id, tags=self._tags(trial, seed), started=started,
                                 name=self._run_name(trial, values, seed, first))
         finally:
             self.rounds_trained += runner.rounds_trained
             _record_evaluations(trial, seen)
-        if before is not None:  # a lone trial's rise: what each trial of a batch may add (`batch: auto`)
-            self._rises.append(max(int(s.metrics["peak_memory_bytes"]) - before for s in result.stages))
         return [self._value(result, o) for o in self.search.objective]
 
     def _run_name(self, trial: optuna.Trial, values: dict[str, Any], seed: int, first: bool) -> str:
@@ -603,13 +550,12 @@ class Search:
         return {TRIAL_TAG: str(trial.number), STUDY_TAG: self.study_name, SEED_TAG: str(seed),
                 **({NOISE_SEED_TAG: "true"} if seed not in self.seeds else {})}
 
-    # ---- a batch of trials -------------------------------------------------------------------------------
+    # ---- a wave of trials --------------------------------------------------------------------------------
     def _batch(self, asked: list[optuna.Trial]) -> None:
         """The `asked` trials (the lease released: they exist) trained together on each tuning seed in turn, those
         still going on the next, trial 0 on its noise seed last (pipeline/trials.py), with heartbeats; each then
         told as a lone trial is. A crash fails them; a stop leaves them to run() (failed, and retried)."""
         self.lease.release()
-        self._batches += 1
         flights, start = [_InFlight(trial, self._values(trial)) for trial in asked], time.perf_counter()
         try:
             with heartbeats(self.study._storage, self._running):
@@ -631,7 +577,9 @@ class Search:
     def _batch_on(self, seed: int, flights: list[_InFlight], first: bool) -> None:
         """The `flights` trained together on `seed` (pruned and halved on the first seed's evaluations), each
         trial's outcome, evaluations and rounds kept as `_trained` keeps a lone trial's."""
-        trials = PipelineTrials(with_values(self.spec, {"seed": seed}), [f.values for f in flights], self.cache_dir)
+        span = None if self.search.batch == "auto" else self.search.batch
+        trials = PipelineTrials(with_values(self.spec, {"seed": seed}), [f.values for f in flights], self.cache_dir,
+                                span)
         started = (lambda j, run_id: flights[j].trial.set_user_attr("mlflow_run_id", run_id)) if first else (
             lambda j, run_id: None)
         try:
@@ -650,8 +598,7 @@ class Search:
     def _batch_callbacks(self, trials: PipelineTrials, flights: list[_InFlight], seed: int,
                          first: bool) -> Callable[[int, list[int]], list[RoundCallback]]:
         """Per trained stage and its trials (positions in `flights`): as `_evaluation_callbacks` for each, and on
-        the first seed successive halving within the noise margin (once the study has one; studies/halving.py); the
-        round times `batch: auto` weighs."""
+        the first seed successive halving within the noise margin (once the study has one; studies/halving.py)."""
         objective, (before, searched) = self.search.objective[0], searched_rounds(self.spec)
         judged = len(self.search.objective) == 1 and objective.metric.startswith("val_")
         margin = self._halving_margin() if first else None
@@ -659,15 +606,12 @@ class Search:
 
         def callbacks(index: int, positions: list[int]) -> list[RoundCallback]:
             offsets = [sum(s.rounds for s in trials.runners[k].spec.stages[:index]) for k in positions]
-            if min(offsets) < before:  # a stage before the searched ones reports nothing
+            if min(offsets) < before or not judged:  # a stage before the searched ones reports nothing
                 return []
-            timing = self._timing()
-            if not judged:
-                return timing
             members = [PruneOnEvaluation(flights[k].trial if first else None, objective.metric, offset,
                                          flights[k].seen.setdefault(seed, Evaluations()))
                        for k, offset in zip(positions, offsets, strict=True)]
-            return [*timing, BatchEvaluations(members, rungs, margin, objective.direction == "maximize")]
+            return [BatchEvaluations(members, rungs, margin, objective.direction == "maximize")]
         return callbacks
 
     def _halving_margin(self) -> float | None:
@@ -679,10 +623,10 @@ class Search:
         return float(pruner.margin) if pruner.margin != "auto" else seed_margin(self.study.get_trials(deepcopy=False))
 
     def _tell(self, flight: _InFlight, seconds: float, size: int) -> None:
-        """A trial of a batch told as optimize tells a lone one: COMPLETE with its mean over the seeds, PRUNED
+        """A trial of a wave told as optimize tells a lone one: COMPLETE with its mean over the seeds, PRUNED
         (pruned, halved or diverged: its intermediate values kept) or FAIL; its line said, the scope's callbacks
         called."""
-        stopped, tail = flight.stopped, f" in a batch of {size}"
+        stopped, tail = flight.stopped, f" in a wave of {size}"
         try:
             if stopped is None:
                 objectives = np.mean(flight.objectives, 0)
@@ -714,16 +658,7 @@ class Search:
         before the searched ones (shared, and trained only by the first study to need it) reports nothing."""
         metric, before = self.search.objective[0].metric, searched_rounds(self.spec)[0]
         judged = len(self.search.objective) == 1 and metric.startswith("val_")
-        return lambda offset: [] if offset < before else [*self._timing(), *(
-            [PruneOnEvaluation(trial, metric, offset, seen)] if judged else [])]
-
-    def _timing(self) -> list[RoundCallback]:
-        """The callback keeping a searched stage's round times while `batch: auto` has not decided."""
-        return [RoundTimes(self._round_times)] if self._undecided() else []
-
-    def _undecided(self) -> bool:
-        """Whether `batch: auto` has yet to choose the study's batch size."""
-        return self.search.batch == "auto" and BATCH not in self.study.user_attrs
+        return lambda offset: [PruneOnEvaluation(trial, metric, offset, seen)] if judged and offset >= before else []
 
     def _value(self, result: Any, objective: Any) -> float:
         names = [s.name for s in self.spec.stages]
@@ -814,7 +749,7 @@ OUTLIVED = "a trial outlived its heartbeat grace period and was failed by anothe
 
 @dataclass
 class _InFlight:
-    """A trial of a batch while it trains: its point, its evaluations per seed, its objectives per tuning seed
+    """A trial of a wave while it trains: its point, its evaluations per seed, its objectives per tuning seed
     trained, and where it stopped (TrialOutcome.stopped; None: going)."""
 
     trial: optuna.Trial
@@ -832,7 +767,7 @@ def _record_evaluations(trial: optuna.Trial, seen: dict[int, Evaluations]) -> No
 
 @contextmanager
 def heartbeats(storage: Any, trial_ids: list[int]) -> Iterator[None]:
-    """The heartbeats of `trial_ids` while the block runs, what optimize sends for its one trial: a batch whose
+    """The heartbeats of `trial_ids` while the block runs, what optimize sends for its one trial: a wave whose
     process died goes stale, and is failed and retried, as a lone trial is."""
     interval, stop = storage.get_heartbeat_interval(), threading.Event()
 
@@ -848,6 +783,13 @@ def heartbeats(storage: Any, trial_ids: list[int]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+def wave_size(waiting: list[optuna.trial.FrozenTrial]) -> int:
+    """How many of the `waiting` trials the next wave trains: those of the oldest one's wave (Optuna's ask takes the
+    oldest waiting trial first); trials enqueued without a wave (by hand) are one wave."""
+    wave = min(waiting, key=lambda t: t.number).user_attrs.get(WAVE)
+    return sum(t.user_attrs.get(WAVE) == wave for t in waiting)
 
 
 def _busy(trials: list[optuna.trial.FrozenTrial]) -> bool:

@@ -50,11 +50,12 @@ class TuneSpec(Strict):
     space: per pipeline name, a written space (spec keys -> ranges) instead of its algorithms' declared ones (`auto`);
     a range that excludes the pipeline's written value is widened to include it (trial 0 is the pipeline as written)
     unless `widen: false`, which refuses it. tune_budget: also search what changes a client's work or model size.
-    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. batch: the trials
-    a study asks at once and trains together (its search's `batch`; `auto`, the default: measured). splits: `fixed`
-    (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut per seed) or
-    `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning seed's
-    train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs tuned)."""
+    edge_trials: further trials a study spends beyond an edge of a range its best value lies near. batch: how many
+    of a wave's trials one computation spans (its search's `batch`; `auto`, the default: as the executor times).
+    splits: `fixed` (one federation for every seed), `train_val` (clients and test samples fixed, train / val re-cut
+    per seed) or `redraw` (every seed its own federation, refused when a comparison seed's test samples were a tuning
+    seed's train or val samples). untuned: also run each pipeline as written on the comparison's seeds (default vs
+    tuned)."""
 
     trials: int = Field(ge=1, le=SQL_INT_MAX)
     objective: str | None = None

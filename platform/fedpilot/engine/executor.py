@@ -258,9 +258,10 @@ class ExecutionPlan:
     """How a stage's rounds run, as its executor choice decided (engine/accel/choice.py): the `executor` of its local
     work and, for head-only work on the body's features, `head` (None: such work runs as any other); whether the
     model's own forward applies (`models_forward`, else the algorithm's `forward`); the rows a chunk of a round takes
-    (`chunk`; None: the stage's `max_parallel_clients`); and how many trials' rows a round trains (`trials`: one, or a
-    batch's K, trial after trial). `RoundWork` holds it; a resumed stage rebuilds the same one from the choice's
-    checkpoint state."""
+    (`chunk`; None: the stage's `max_parallel_clients`); how many trials' rows a round trains (`trials`: one, or a
+    batch's K, trial after trial) and how many trials one chunk's rows may come from (`span`; None: as many as the
+    executor batches, 1: each trial's rows computed on their own, as alone). `RoundWork` holds it; a resumed stage
+    rebuilds the same one from the choice's checkpoint state and its batch's span."""
 
     executor: Executor
     head: Executor | None
@@ -268,3 +269,4 @@ class ExecutionPlan:
     models_forward: bool
     chunk: int | None = None
     trials: int = 1
+    span: int | None = None

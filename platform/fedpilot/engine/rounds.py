@@ -59,11 +59,11 @@ def chunks(parts: Sequence[TrialRound], work: RoundWork, clients: torch.Tensor, 
            size: int) -> Iterator[tuple[Cohort, list[Piece]]]:
     """The `rows` of the cohort `clients` of every trial of `parts`, trial after trial, in chunks of `size` rows: each
     chunk's cohort and its pieces. A chunk spans trials only where the plan's executor batches its forward passes
-    over clients (the vmaps, bmm): elsewhere (the loops: a client at a time) it would gain nothing and cost a copy of
-    each row's global model, so chunks end where trials do."""
+    over clients (the vmaps, bmm), and at most the plan's `span` of them: elsewhere (the loops: a client at a time)
+    it would gain nothing and cost a copy of each row's global model, so chunks end where trials do."""
     count = rows.stop - rows.start
-    total = len(parts) * count
-    ends = [total] if work.execution.executor.batched else [(k + 1) * count for k in range(len(parts))]
+    span = (work.execution.span or len(parts)) if work.execution.executor.batched else 1
+    ends = [min(k + span, len(parts)) * count for k in range(0, len(parts), span)]
     begin = 0
     for end in ends:
         for lo in range(begin, end, size):
@@ -177,6 +177,7 @@ def begin_round(stages: Sequence[FederatedStage], round_idx: int, algorithm: Alg
         stage.guard.check_progress(round_idx, stage.n_rounds)
     with lead.guard.round(round_idx):
         if lead.executor_choice.pending:
+            spanned = f" {lead.executor_choice.span} at a time" if lead.executor_choice.span else ""
             lead.executor_choice.time(partial(timing_run, stages, round_idx, algorithm), lead.device,
-                                      f"{len(stages)} trials of {lead.workload()}")
+                                      f"{len(stages)} trials{spanned} of {lead.workload()}")
         yield

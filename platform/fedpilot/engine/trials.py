@@ -39,9 +39,11 @@ class TrialBatch(L.LightningModule):
     """The stages in `stages`, each one trial, trained as one batch (module docstring): a LightningModule whose
     training_step is one round of every trial still in it (`active`). Each trial keeps its stage (`trials[k]`: its
     model, banks, server state, records), as a stage run alone would have them; `stopped` says when and why a trial
-    left the batch."""
+    left the batch. `span`: the most trials one chunk's rows come from (None: as many as the executor batches; 1:
+    each trial's rows computed on their own, the computation of each trial alone): how the rounds run, not what they
+    compute."""
 
-    def __init__(self, stages: Sequence[FederatedStage]):
+    def __init__(self, stages: Sequence[FederatedStage], span: int | None = None):
         super().__init__()
         check_batch(stages)
         self.automatic_optimization = False
@@ -50,6 +52,7 @@ class TrialBatch(L.LightningModule):
         self.active = list(range(len(stages)))
         self.stopped: dict[int, dict[str, Any]] = {}  # trial -> {"round": rounds done, "why": ..., "error": ...}
         self.errors: dict[int, BaseException] = {}  # a diverged trial's error, or why one was dropped, in this process
+        stages[0].executor_choice.span = span
         for stage in stages[1:]:  # one executor for the batch: the lead's, timed on the batch's first chunk
             stage.executor_choice = stages[0].executor_choice
         self.round_result: RoundResult | None = None

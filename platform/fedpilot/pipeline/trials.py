@@ -68,12 +68,14 @@ class _Trial:
 
 class PipelineTrials:
     """The trials of `spec` with each of `values` (dotted keys of its stages: `stages.1.params.lr_v`) set, on one
-    federation and model (built once, each trial's model its own copy), with the stage cache of `cache_dir`."""
+    federation and model (built once, each trial's model its own copy), with the stage cache of `cache_dir`; a batch's
+    chunks span at most `span` trials (TrialBatch; None: as many as its executor batches)."""
 
-    def __init__(self, spec: PipelineSpec, values: Sequence[dict[str, Any]], cache_dir: Path | None = None):
+    def __init__(self, spec: PipelineSpec, values: Sequence[dict[str, Any]], cache_dir: Path | None = None,
+                 span: int | None = None):
         if spec.devices > 1 or spec.nodes > 1:
             raise SpecError("devices", spec.devices, "trials run together on one device")
-        self.values = [dict(v) for v in values]
+        self.values, self.span = [dict(v) for v in values], span
         self.base = PipelineRunner(spec, cache_dir, progress=False)
         self.runners = [self.runner_for(v) for v in self.values]
         self.rounds_trained = 0  # by every trial, in this process (a batch of K trials' round counts K)
@@ -182,7 +184,7 @@ class PipelineTrials:
         run_ids = [self._stage_run(index, trial) for _, trial in members]
         for (_, trial), run_id in zip(members, run_ids, strict=True):  # as a lone trial's _train logs them
             trial.runner.tracker.log_params(run_id, set_params(trial.runner.applies["stages"][index]))
-        batch = TrialBatch([trial.at[1] for _, trial in members])
+        batch = TrialBatch([trial.at[1] for _, trial in members], self.span)
         folder = self.base.root / "runs" / members[0][1].run_id / f"{index}-batch"
         batch.save_changes_in(folder / "banks")
         logs = [RoundMetrics(trial.runner.tracker, run_id, j) for j, ((_, trial), run_id)

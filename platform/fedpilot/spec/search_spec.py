@@ -108,9 +108,9 @@ class SearchSpec(Strict):
     `space: auto` searches what the algorithms of `stages` (default: every stage) declare tunable, over their
     declared ranges (a relative range around the pipeline's value); the hyperparameters that change what a client
     spends (local steps, model size) only with `tune_budget: true`. The pipeline's spec holds the space it expands to.
-    `batch`: how many trials a process asks at once and trains together (pipeline/trials.py; `auto`, the default:
-    measured, a first trial alone against a first batch that half the memory available holds, tuning.py); it changes
-    how the trials run, never which points a study starts with.
+    `batch`: how many of a wave's trials one chunk's computation spans (tuning.py: a study's waves train their trials
+    together; `auto`, the default: as many as the executor timed fastest batches; 1: each trial's rows on their own); it
+    changes how fast the trials run, never which trials a study tries or what it finds.
     """
 
     study: str | None = None
@@ -122,7 +122,7 @@ class SearchSpec(Strict):
     trials: int = Field(20, ge=1, le=SQL_INT_MAX)  # a job's trials: an SQL INTEGER
     timeout_s: float | None = Field(None, gt=0)
     edge_trials: int = Field(0, ge=0, le=20)  # further trials beyond an edge the best value lies near (tuning.py)
-    batch: int | Literal["auto"] = "auto"  # trials asked and trained together (tuning.py); not what is tried
+    batch: int | Literal["auto"] = "auto"  # trials one chunk's computation spans (tuning.py): how, not what
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 

@@ -1,6 +1,6 @@
-"""Successive halving inside a batch of trials: numbers in, decisions out (the search applies them, tuning.py).
+"""Successive halving inside a wave of trials: numbers in, decisions out (the search applies them, tuning.py).
 
-A batch's trials train the same rounds side by side, so they can be judged together as they go (a synchronous rule,
+A wave's trials train the same rounds side by side, so they can be judged together as they go (a synchronous rule,
 Jamieson and Talwalkar, AISTATS 2016; Li et al., JMLR 2018): at rungs a ninth and a third of the way through the
 searched stages' rounds (eta = 3: the rungs at 1/eta^2 and 1/eta), the best third of the trials still training go
 on, judged on their latest validation evaluation. A trial within the noise-aware margin of the best one

@@ -67,6 +67,7 @@ class ExecutorChoice:
         self.timing_s: float | None = None
         self.reused = False  # the choice of an earlier timing of the same workload (`time`)
         self._built: dict[tuple, ExecutionPlan] = {}
+        self.span: int | None = None  # the most trials a chunk's rows come from (a batch of trials': TrialBatch)
 
     @property
     def pending(self) -> bool:
@@ -79,8 +80,9 @@ class ExecutorChoice:
 
     def plan(self, device: torch.device, trials: int = 1) -> ExecutionPlan:
         """What the rounds run on `device`, for `trials` trials' rows: the chosen executors (a timed choice was timed on
-        whole-model work, so head-only work keeps the rule of thumb for the head) and chunks."""
-        return replace(self.build(self.name, bool(self.seconds), device), chunk=self.clients_per_chunk, trials=trials)
+        whole-model work, so head-only work keeps the rule of thumb for the head), chunks and their span of trials."""
+        return replace(self.build(self.name, bool(self.seconds), device), chunk=self.clients_per_chunk, trials=trials,
+                       span=self.span)
 
     def build(self, name: str, timed: bool, device: torch.device, per_call: int | None = None) -> ExecutionPlan:
         """The plan of executor `name` for the stage's local work, batching at most `per_call` clients a call (by

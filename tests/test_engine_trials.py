@@ -11,7 +11,7 @@ from engine_fixtures import TinyCNN, ToyData, fit
 from fedpilot.api import Algorithm, AlgorithmParams, Cohort, Upload
 from fedpilot.engine.config import LocalConfig
 from fedpilot.engine.hooks import RoundCallback
-from fedpilot.engine.trials import TrialBatch
+from fedpilot.engine.trials import TrialBatch, check_batch
 from fedpilot.testing import (
     HEAD,
     INPUT,
@@ -174,23 +174,30 @@ def test_a_diverging_trial_stops_alone_and_the_others_go_on():
 
 
 def test_trials_differing_in_what_changes_the_work_do_not_batch():
+    """check_batch names what stands in the way; a TrialBatch trains such trials as groups of their own."""
     data = ToyData()
     local = [built_stage("fedavg", [], None, v, 4, None, TinyMLP, data) for v in ({}, {"local.batch_size": 5})]
     with pytest.raises(ValueError, match=r"differ in local.batch_size, which fedavg does not batch"):
-        TrialBatch(local)
+        check_batch(local)
     steps = [built_stage("fedavg", [], None, v, 4, None, TinyMLP, data) for v in ({}, {"local.epochs": 2.0})]
     with pytest.raises(ValueError, match=r"differ in local.epochs, which fedavg does not batch"):
-        TrialBatch(steps)
-    other = [built_stage("fedavg", [], None, {}, 4, None, TinyMLP, d) for d in (data, ToyData())]
-    with pytest.raises(ValueError, match="differ in their federation"):
-        TrialBatch(other)
+        check_batch(steps)
     tau = [built_stage("fedalt", HEAD, None, v, 4, None, TinyMLP, data) for v in ({"params.tau_v": 1},
                                                                                     {"params.tau_v": 2})]
     with pytest.raises(ValueError, match=r"differ in params.tau_v, which fedalt does not batch"):
-        TrialBatch(tau)
+        check_batch(tau)
     unset = [built_stage("fedalt", HEAD, None, v, 4, None, TinyMLP, data) for v in ({}, {"params.lr_v": 0.2})]
     with pytest.raises(ValueError, match=r"differ in params.lr_v between numbers and values that are not"):
-        TrialBatch(unset)
+        check_batch(unset)
+    mixed = [*local, built_stage("fedavg", [], None, {"local.lr": 0.2}, 4, None, TinyMLP, data)]
+    assert TrialBatch(mixed).groups == [[0, 2], [1]]  # the third batches with the first
+    other = [built_stage("fedavg", [], None, {}, 4, None, TinyMLP, d) for d in (data, ToyData())]
+    with pytest.raises(ValueError, match="differ in their federation"):
+        TrialBatch(other)  # not even side by side: the batch keeps one copy of the data
+    longer = [built_stage("fedavg", [], None, {}, 4, None, TinyMLP, data) for _ in range(2)]
+    longer[1].config = longer[1].config.model_copy(update={"rounds": 5})
+    with pytest.raises(ValueError, match="differ in their rounds"):
+        TrialBatch(longer)
 
 
 class Scaled(Algorithm):
@@ -220,13 +227,39 @@ def test_an_algorithm_that_does_not_batch_refuses_a_batch_and_one_that_reads_a_v
     data = ToyData()
     plain = [built_stage(Scaled(), [], None, v, 4, None, TinyMLP, data) for v in ({}, {"params.scale": 2.0})]
     with pytest.raises(ValueError, match="scaled-test does not batch trials"):
-        TrialBatch(plain)
+        check_batch(plain)
     batching = [built_stage(ScaledBatching(), [], None, v, 4, None, TinyMLP, data)
                 for v in ({}, {"params.scale": 2.0})]
     batch = TrialBatch(batching)
     batch.lead.executor_choice.pin("vmap")
     with pytest.raises(TypeError, match=r"params.scale differs between the trials of this batch.*cohort.params.scale"):
         fit(batch)
+
+
+def test_trials_that_cannot_batch_train_in_lockstep_each_bit_for_bit_alone():
+    """A plugin that does not batch trials, two values of its param and one of the local lr: three groups of one, a
+    round of each every step (the search's rungs judge them together), each trial its own computation, server
+    optimizer and executor choice: bit for bit the trial alone."""
+    data = ToyData()
+    values = [{}, {"params.scale": 2.0}, {"local.lr": 0.2}]
+    stages = [built_stage(Scaled(), [], None, v, 4, None, TinyMLP, data) for v in values]
+    batch = TrialBatch(stages)
+    assert batch.groups == [[0], [1], [2]]
+    trained = []
+
+    class Rounds(RoundCallback):
+        def on_round_end(self, trainer, stage, result):
+            trained.append(sorted(result.trials))
+
+    fit(batch, callbacks=[Rounds()])
+    assert trained == [[0, 1, 2]] * batch.n_rounds  # every trial every round
+    assert len({id(stage.executor_choice) for stage in batch.trials}) == 3
+    for v, stage in zip(values, batch.trials, strict=True):
+        alone = built_stage(Scaled(), [], None, v, 4, None, TinyMLP, data)
+        alone.executor_choice.pin(stage.execution)
+        fit(alone)
+        expected, got = stage_result(alone)[0], stage_result(stage)[0]
+        assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
 class ScaledPerRow(Scaled):

@@ -110,8 +110,8 @@ def trial_runs(client: MlflowClient, search_run: str) -> dict[str, dict]:
 
 
 def searched(env, raw: dict, study: str, batch, monkeypatch, alone: bool = False) -> tuple:
-    """A search of `raw` with `search.batch` at `batch` (`alone`: every trial of a wave in its own computation, as
-    pipeline/trials.py trains trials that cannot batch): its result, its trials, and the (trials, span) of each
+    """A search of `raw` with `search.batch` at `batch` (`alone`: every trial of a wave its own computation, in
+    lockstep, as a TrialBatch trains trials that cannot batch): its result, its trials, and the (trials, span) of each
     PipelineTrials it ran."""
     spec = spec_of({**raw, "search": {**raw["search"], "batch": batch}}, env)
     sizes, run = [], PipelineTrials.run
@@ -119,7 +119,7 @@ def searched(env, raw: dict, study: str, batch, monkeypatch, alone: bool = False
         patch.setattr(PipelineTrials, "run", lambda self, *a, **k: sizes.append((len(self.values), self.span)) or
                       run(self, *a, **k))
         if alone:
-            patch.setattr("fedpilot.pipeline.trials._batches", lambda stages: [[k] for k, _ in stages])
+            patch.setattr("fedpilot.engine.trials.batch_groups", lambda stages: [[k] for k in range(len(stages))])
         search = Search(spec, f"sqlite:///{env}/optuna.db", study=study, cache_dir=env / study, echo=lambda line: None)
         result = search.run()
     return result, search.study.get_trials(), sizes
@@ -159,13 +159,16 @@ def test_a_studys_waves_train_the_same_trials_whatever_its_batch(env, monkeypatc
 
 def test_tpe_the_pruner_and_halving_find_the_same_whatever_the_batch(env, monkeypatch):
     """A study whose draws follow TPE, whose pruner judges against earlier waves and whose Sobol wave is halved at
-    its rungs (the margin measured by trial 0's noise seed) is the same under `batch: 1` and `auto`."""
+    its rungs (the margin measured by trial 0's noise seed) is the same under `batch: 1` and `auto`, and with each
+    trial of a wave its own computation (halved in lockstep all the same)."""
     search = {**SEARCH, "space": SPACE2, "trials": 7, "sampler": {"kind": "tpe", "seed": 0},
               "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0}}
     raw = {**TINY, "evaluation": {"every": 1}, "search": search,
            "stages": [{**SMALL["stages"][0], "rounds": 2}, {**SMALL["stages"][1], "rounds": 9}]}
     one, auto = (searched(env, raw, f"tpe-{batch}", batch, monkeypatch) for batch in (1, "auto"))
+    alone = searched(env, raw, "tpe-alone", "auto", monkeypatch, alone=True)  # as an algorithm that cannot batch
     assert_same_study(one, auto)
+    assert_same_study(one, alone)
     trials = one[1]
     assert [t.user_attrs["wave"] for t in trials] == [0, 1, 1, 1, 2, 3, 4]
     assert [t.user_attrs["origin"] for t in trials[4:]] == ["tpe"] * 3
@@ -272,15 +275,17 @@ def flat(value: object, path: str = "") -> dict[str, object]:
     return {path: value}
 
 
-def test_a_trial_of_a_batch_trained_alone_is_pruned_as_a_lone_trial_is(env, monkeypatch):
-    monkeypatch.setattr("fedpilot.pipeline.trials._batches", lambda stages: [[k] for k, _ in stages])  # none batch
+def test_trials_of_a_wave_that_cannot_batch_are_pruned_and_halved_as_a_batch_is(env, monkeypatch):
+    """Each trial of the wave its own computation (as an algorithm that does not batch trials trains them), in
+    lockstep: the pruner judges them against the wave before, the rung against each other."""
+    monkeypatch.setattr("fedpilot.engine.trials.batch_groups", lambda stages: [[k] for k in range(len(stages))])
     search = {**SEARCH, "space": {"stages.1.local.lr": {"type": "float", "low": 1e-6, "high": 0.3, "log": True}},
               "pruner": {"kind": "median", "startup_trials": 1, "warmup_rounds": 0, "margin": 0}, "trials": 4}
     raw = {**TINY, "search": search, "stages": [{**SMALL["stages"][0], "rounds": 2},
                                                 {**SMALL["stages"][1], "rounds": 6, "params": {"lr_v": 1e-6}}]}
     runner = Search(spec_of(raw, env), f"sqlite:///{env}/optuna.db", echo=lambda line: None)
-    for wave, lr in enumerate((0.05, 0.03, 1e-6, 3e-6)):  # two waves of two: the first finishes, the second
-        runner.study.enqueue_trial({"stages.1.local.lr": lr}, user_attrs={"wave": wave // 2})  # learns nothing
+    for wave, lr in zip((0, 1, 1, 1), (0.005, 0.05, 1e-6, 3e-6), strict=True):  # a slow one that finishes, then a
+        runner.study.enqueue_trial({"stages.1.local.lr": lr}, user_attrs={"wave": wave})  # wave: one learns, two not
     result = runner.run()
     trials = runner.study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"] and result.pruned == 2

@@ -14,11 +14,12 @@ and spends `edge_trials` further trials beyond it (studies/edges.py).
 
 A study's trials come in waves that its design fixes, whatever the machine: trial 0 alone (its noise seed measures
 the margin), the other start-up points together, each TPE draw alone (drawn from every trial told before it), the
-trials beyond an edge together. A wave's trials train together (pipeline/trials.py: one batched computation wherever
-the algorithm and their values allow), each recorded and told as a lone trial, judged by the pruner against the trials
-of earlier waves only, and against each other at the rungs of successive halving (studies/halving.py). `batch` says
-only how many of a wave's trials one chunk's computation spans (`auto`: as many as the executor timed fastest
-batches; 1: each trial's rows on their own), so it changes how fast a study runs, never what it finds.
+trials beyond an edge together. A wave's trials train together, round by round (pipeline/trials.py: one batched
+computation wherever the algorithm and their values allow, else side by side), each recorded and told as a lone
+trial, judged by the pruner against the trials of earlier waves only, and against each other at the rungs of
+successive halving (studies/halving.py). `batch` says only how many of a wave's trials one chunk's computation spans
+(`auto`: as many as the executor timed fastest batches; 1: each trial's rows on their own), so it changes how fast a
+study runs, never what it finds.
 """
 
 from __future__ import annotations

@@ -136,8 +136,9 @@ def run_round(stages: Sequence[FederatedStage], round_idx: int, algorithm: Algor
               chunk: int | None = None) -> list[dict[str, float] | Diverged]:
     """Round `round_idx` of every trial of `stages` (their cohort, the same for each; under DDP this process's share of
     it), in chunks of `chunk` rows (by default as the executor choice says), each trial's aggregate the gradient of its
-    shared parameters, then one step of the server `optimizer` (a parameter group per trial): each trial's round
-    stats, or the Diverged error that stopped it (its parameters have no gradient: its server did not step)."""
+    shared parameters, then one step of the server `optimizer` (a parameter group per trial; None: the caller steps
+    it, once for a batch's groups): each trial's round stats, or the Diverged error that stopped it (its parameters
+    have no gradient: its server did not step)."""
     lead = stages[0]
     clients = lead.sample_cohort(round_idx).to(lead.device)
     work = lead.round_work(round_idx, clients, trials=len(stages))
@@ -152,7 +153,8 @@ def run_round(stages: Sequence[FederatedStage], round_idx: int, algorithm: Algor
             results.append(part.stage.end_round(part, round_idx, clients, mine))
         except Diverged as err:
             results.append(err)
-    lead.server_step(optimizer)
+    if optimizer is not None:
+        lead.server_step(optimizer)
     return results
 
 

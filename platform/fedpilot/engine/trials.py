@@ -5,6 +5,11 @@ may span trials, each row with its trial's values and global model; each trial a
 server (one parameter group of one server optimizer), keeps its own banks and records, and is evaluated as it would
 be alone. Trial k of a batch is the computation of trial k alone (tests/test_engine_trials.py).
 
+Trials that cannot share a computation (an algorithm that does not batch trials, values that change the work, another
+algorithm) still train in lockstep, round by round: the batch's `groups` each train as one computation, group after
+group, each with its own executor choice and server optimizer, so a search judges every trial of a wave at the same
+round whichever algorithm it runs (studies/halving.py).
+
 Trials can leave a running batch (`drop`): a search's rule stops the ones losing at a rung, and a trial whose
 training diverges stops by itself; their rows leave the computation and their records stay as they were. The round's
 `RoundResult` holds each trial's own (`trials`), with its validation summary when one was due.
@@ -37,24 +42,28 @@ STOPPED_DROPPED, STOPPED_DIVERGED = "dropped", "diverged"
 
 class TrialBatch(L.LightningModule):
     """The stages in `stages`, each one trial, trained as one batch (module docstring): a LightningModule whose
-    training_step is one round of every trial still in it (`active`). Each trial keeps its stage (`trials[k]`: its
-    model, banks, server state, records), as a stage run alone would have them; `stopped` says when and why a trial
-    left the batch. `span`: the most trials one chunk's rows come from (None: as many as the executor batches; 1:
-    each trial's rows computed on their own, the computation of each trial alone): how the rounds run, not what they
-    compute."""
+    training_step is one round of every trial still in it (`active`), in `groups` that each train as one computation
+    (`batch_groups`: the trials that check_batch allows together; the others each a group of their own). Each trial
+    keeps its stage (`trials[k]`: its model, banks, server state, records), as a stage run alone would have them;
+    `stopped` says when and why a trial left the batch. `span`: the most trials one chunk's rows come from (None: as
+    many as the executor batches; 1: each trial's rows computed on their own, the computation of each trial alone):
+    how the rounds run, not what they compute."""
 
     def __init__(self, stages: Sequence[FederatedStage], span: int | None = None):
         super().__init__()
-        check_batch(stages)
+        check_lockstep(stages)
         self.automatic_optimization = False
         self.trials = nn.ModuleList(stages)
-        self.algorithm = batch_algorithm(stages)
+        self.groups = batch_groups(stages)
+        self.algorithms = [batch_algorithm([stages[k] for k in group]) for group in self.groups]
         self.active = list(range(len(stages)))
         self.stopped: dict[int, dict[str, Any]] = {}  # trial -> {"round": rounds done, "why": ..., "error": ...}
         self.errors: dict[int, BaseException] = {}  # a diverged trial's error, or why one was dropped, in this process
-        stages[0].executor_choice.span = span
-        for stage in stages[1:]:  # one executor for the batch: the lead's, timed on the batch's first chunk
-            stage.executor_choice = stages[0].executor_choice
+        for group in self.groups:  # one executor a group: its lead's, timed on the group's first chunk
+            lead = stages[group[0]]
+            lead.executor_choice.span = span
+            for k in group[1:]:
+                stages[k].executor_choice = lead.executor_choice
         self.round_result: RoundResult | None = None
 
     @property
@@ -87,8 +96,9 @@ class TrialBatch(L.LightningModule):
         return torch.utils.data.DataLoader(Rounds(), batch_size=None)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """One server optimizer, a parameter group per trial: one step a round, each trial's group with its own
-        numbers (a trial whose parameters got no gradient, stopped, is not stepped)."""
+        """One server optimizer, a parameter group per trial: one step a round, once every group has trained (a step
+        is a round to Lightning), each trial's group with its own numbers (a trial whose parameters got no gradient,
+        stopped, is not stepped)."""
         return server_optimizer([stage.server_group() for stage in self.trials])
 
     def setup(self, stage: str) -> None:
@@ -99,23 +109,36 @@ class TrialBatch(L.LightningModule):
             trial.data, trial.data_on_device = self.lead.data, self.lead.data_on_device
 
     def training_step(self, batch: int, batch_idx: int) -> None:
-        round_idx = self.global_step
-        stages = [self.trials[k] for k in self.active]
-        with begin_round(stages, round_idx, self.algorithm):
-            start = time.perf_counter()
-            results = run_round(stages, round_idx, self.algorithm, self.optimizers())
-        seconds = time.perf_counter() - start
-        finished = {}
-        for k, stage, stats in zip(list(self.active), stages, results, strict=True):
-            if isinstance(stats, Diverged):
-                self.errors[k] = stats
-                self.drop([k], STOPPED_DIVERGED, str(stats), round_idx)
-            else:
-                stage.finish_round(round_idx, stats, seconds)
-                finished[k] = stage.round_result
+        round_idx, trained = self.global_step, []
+        for group, algorithm in zip(self.groups, self.algorithms, strict=True):
+            going = [k for k in group if k in self.active]
+            if going:
+                trained.append((going, *self._group_round(round_idx, going, algorithm)))
+        start = time.perf_counter()
+        self.lead.server_step(self.optimizers())  # once a round: a step is a round to Lightning
+        step_s, finished = time.perf_counter() - start, {}
+        for going, results, seconds in trained:
+            for k, stats in zip(going, results, strict=True):
+                if isinstance(stats, Diverged):
+                    self.errors[k] = stats
+                    self.drop([k], STOPPED_DIVERGED, str(stats), round_idx)
+                else:
+                    self.trials[k].finish_round(round_idx, stats, seconds + step_s)
+                    finished[k] = self.trials[k].round_result
+        seconds = sum(seconds for _, _, seconds in trained) + step_s
         self.round_result = RoundResult(round_idx + 1, MappingProxyType({"round_time_s": seconds}),
                                         MappingProxyType({"trials": float(len(self.active))}), self.execution,
                                         MappingProxyType(finished))
+
+    def _group_round(self, round_idx: int, going: list[int],
+                     algorithm: Algorithm) -> tuple[list[dict[str, float] | Diverged], float]:
+        """Round `round_idx` of a group's trials still `going`, as one computation, up to the server's step: each
+        trial's round stats (or what made it diverge), and the seconds it took."""
+        stages = [self.trials[k] for k in going]
+        with begin_round(stages, round_idx, algorithm):
+            start = time.perf_counter()
+            results = run_round(stages, round_idx, algorithm, None)
+        return results, time.perf_counter() - start
 
     def drop(self, trials: Iterable[int], why: str = STOPPED_DROPPED, error: str = "",
              rounds: int | None = None, cause: BaseException | None = None) -> None:
@@ -133,10 +156,12 @@ class TrialBatch(L.LightningModule):
                 self.errors[k] = cause
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Each trial's records and server state, the batch's trials still training and those stopped, the executor
-        choice, and each trial's banks' chains of changes (save_changes_in)."""
+        """Each trial's records and server state, the batch's trials still training and those stopped, each group's
+        executor choice (the first group's also as a batch of one group saved it), and each trial's banks' chains of
+        changes (save_changes_in)."""
+        choices = [self.trials[group[0]].executor_choice.state_dict() for group in self.groups]
         checkpoint["fedpilot"] = {"trials": [stage.records() for stage in self.trials], "active": list(self.active),
-                                  "stopped": dict(self.stopped), **self.lead.executor_choice.state_dict()}
+                                  "stopped": dict(self.stopped), **choices[0], "choices": choices}
         for k, stage in enumerate(self.trials):
             stage.save_bank_changes(self.global_step, self.trainer.is_global_zero, checkpoint["state_dict"],
                                     f"trials.{k}.")
@@ -147,7 +172,8 @@ class TrialBatch(L.LightningModule):
             stage.load_records(records)
         self.active = list(saved.get("active", self.active))
         self.stopped = dict(saved.get("stopped", {}))
-        self.lead.executor_choice.load_state_dict(saved)
+        for group, choice in zip(self.groups, saved.get("choices", [saved]), strict=False):
+            self.trials[group[0]].executor_choice.load_state_dict(choice)
 
     def save_changes_in(self, folder: Any) -> None:
         """Each trial's checkpoints save its banks as chains of their changes in its own folder under `folder`
@@ -209,6 +235,36 @@ def check_batch(stages: Sequence[FederatedStage]) -> None:
     if unset:
         raise ValueError(f"the trials of a batch differ in {', '.join(unset)} between numbers and values that are not "
                          "(null: a default taken elsewhere): run them in separate batches")
+
+
+def check_lockstep(stages: Sequence[FederatedStage]) -> None:
+    """That `stages` can train round by round side by side (TrialBatch): at least one, on one federation (the batch
+    keeps one copy of its data) and over as many rounds. A ValueError names what stands in the way."""
+    if not stages:
+        raise ValueError("a batch of trials needs at least one stage")
+    lead = stages[0]
+    for stage in stages[1:]:
+        same = {"federation": stage.data is lead.data, "rounds": stage.n_rounds == lead.n_rounds}
+        different = [what for what, equal in same.items() if not equal]
+        if different:
+            raise ValueError(f"the stages of a batch of trials differ in their {', '.join(different)}")
+
+
+def batch_groups(stages: Sequence[FederatedStage]) -> list[list[int]]:
+    """The trials (by position) that train as one computation, each group in turn: a trial joins the first group it
+    batches with (check_batch), else starts one."""
+    groups: list[list[int]] = []
+    for k, stage in enumerate(stages):
+        for group in groups:
+            try:
+                check_batch([stages[j] for j in group] + [stage])
+            except ValueError:
+                continue
+            group.append(k)
+            break
+        else:
+            groups.append([k])
+    return groups
 
 
 def batch_algorithm(stages: Sequence[FederatedStage]) -> Algorithm:

@@ -4,12 +4,13 @@ that share them and together for the trials that differ in them (engine/trials.p
 
 Stage after stage: a trial whose stage is in the stage cache (under the key a lone run of its pipeline has) reuses it;
 trials whose stage is the same (the same key: the stages before the first one their values touch) train it once and
-the others reuse it; the rest train as batches of trials wherever the stage's algorithm batches them and their values
-allow (`check_batch`), else one at a time. Every trial has its own MLflow pipeline run, stage runs, metrics, per-client
-tables and cache entries, so a batch and a lone rerun share results. A trial that diverges, or that a callback drops
-from its batch (a search's rung), stops there: its runs are FAILED with what they logged (KILLED where the callback's
-cause is a search's pruning), and its later stages do not run. A killed batch is not resumed: its trials' finished
-stages stay in the cache, the batch in flight is lost.
+the others reuse it; the rest train side by side, round by round, in one TrialBatch (those over as many rounds), as
+one computation wherever the stage's algorithm batches them and their values allow (`check_batch`), else group after
+group within each round; a trial alone trains as a lone run does. Every trial has its own MLflow pipeline run, stage
+runs, metrics, per-client tables and cache entries, so a batch and a lone rerun share results. A trial that diverges,
+or that a callback drops from its batch (a search's rung), stops there: its runs are FAILED with what they logged
+(KILLED where the callback's cause is a search's pruning), and its later stages do not run. A killed batch is not
+resumed: its trials' finished stages stay in the cache, the batch in flight is lost.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from lightning.pytorch.callbacks import Callback
 
 from fedpilot.algorithms import build_algorithm
 from fedpilot.engine.memory import PeakMemory, release_freed_memory
-from fedpilot.engine.stage import FederatedStage
-from fedpilot.engine.trials import STOPPED_DIVERGED, STOPPED_DROPPED, TrialBatch, check_batch
+from fedpilot.engine.trials import STOPPED_DIVERGED, STOPPED_DROPPED, TrialBatch
 from fedpilot.errors import Diverged, SpecError, StageFailed
 from fedpilot.overview import applicable
 from fedpilot.pipeline.cache import stage_keys
@@ -136,8 +136,8 @@ class PipelineTrials:
             else:
                 first[key] = k
                 trained.append((k, trial))
-        for group in _batches([(k, trial.at[1]) for k, trial in trained]):
-            members = [(k, trial) for k, trial in trained if k in group]
+        for rounds in dict.fromkeys(trial.at[1].n_rounds for _, trial in trained):  # in lockstep, a TrialBatch
+            members = [(k, trial) for k, trial in trained if trial.at[1].n_rounds == rounds]
             if len(members) == 1:
                 self._alone(index, *members[0], outcomes, callbacks)
             else:
@@ -214,21 +214,3 @@ class PipelineTrials:
         trial.runner.fail_run([trial.run_id, run_id], error)
         outcomes[k].stopped = {"stage": index, **stop, "error": stop["error"] or str(error),
                                "history": list(batch.trials[j].history)}
-
-
-def _batches(stages: list[tuple[int, FederatedStage]]) -> list[list[int]]:
-    """The trials (by index) whose stages can train together, each group in turn: a trial joins the first group it
-    batches with (check_batch), else starts one."""
-    groups: list[list[tuple[int, FederatedStage]]] = []
-    for k, stage in stages:
-        for group in groups:
-            try:
-                check_batch([s for _, s in group] + [stage])
-            except ValueError:
-                continue
-            group.append((k, stage))
-            break
-        else:
-            groups.append([(k, stage)])
-    return [[k for k, _ in group] for group in groups]
-

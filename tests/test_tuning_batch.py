@@ -339,3 +339,4 @@ def test_fedpilot_search_trains_its_waves_together(env):
     told = [line for line in output.splitlines() if line.startswith("trial ")]
     assert len(told) == 5 and all("val_acc_weighted=" in line for line in told)
     assert [line.endswith("in a wave of 3") for line in told] == [False, True, True, True, False]
+    assert "wave 1: trials 1, 2, 3 train together" in output.splitlines()

@@ -558,6 +558,9 @@ class Search:
         told as a lone trial is. A crash fails them; a stop leaves them to run() (failed, and retried)."""
         self.lease.release()
         flights, start = [_InFlight(trial, self._values(trial)) for trial in asked], time.perf_counter()
+        wave = asked[0].user_attrs.get(WAVE)
+        self.echo(f"wave {'by hand' if wave is None else wave}: trials {', '.join(str(t.number) for t in asked)} "
+                  "train together")
         try:
             with heartbeats(self.study._storage, self._running):
                 for i, seed in enumerate(self.seeds):

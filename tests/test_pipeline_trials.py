@@ -4,7 +4,9 @@ stops with its records."""
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 from mlflow import MlflowClient
 
@@ -60,10 +62,33 @@ class DropSecond(RoundCallback):
             stage.drop([1])
 
 
+class Watch(RoundCallback):
+    """Keeps a weak reference to each trial's stage as its batch starts."""
+
+    def __init__(self, seen: dict[int, list[weakref.ref]]):
+        self.seen = seen
+
+    def on_round_start(self, trainer, stage, start) -> None:
+        self.seen.setdefault(start.round, [weakref.ref(trial) for trial in stage.trials])
+
+
 def test_a_trial_dropped_from_its_batch_stops_with_its_records(workdir):
     spec = load_pipeline(write_pipeline(workdir), [])
-    outcomes = PipelineTrials(spec, VALUES[:2]).run(callbacks=lambda index, trials: [DropSecond()] if index == 1
-                                                    and len(trials) > 1 else [])
+    stages: dict[int, dict[int, list[weakref.ref]]] = {}  # stage index -> round -> its trials' stages
+    fine_tuned = []
+
+    class Alive(RoundCallback):  # as the fine-tuning stage starts: is the dropped trial's stage 1 still held?
+        def on_round_start(self, trainer, stage, start) -> None:
+            gc.collect()
+            fine_tuned.append(stages[1][0][1]() is None)
+
+    def callbacks(index, trials):
+        if index == 1 and len(trials) > 1:
+            return [DropSecond(), Watch(stages.setdefault(1, {}))]
+        return [Alive()] if index == 2 else []
+
+    outcomes = PipelineTrials(spec, VALUES[:2]).run(callbacks=callbacks)
+    assert fine_tuned and all(fine_tuned)  # let go of once it stopped, not when the last trial ends
     kept, dropped = outcomes
     assert kept.stopped is None and kept.result is not None
     assert dropped.result is None and dropped.stopped["stage"] == 1 and dropped.stopped["round"] == 2

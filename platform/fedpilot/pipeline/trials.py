@@ -147,6 +147,7 @@ class PipelineTrials:
                 self._reuse(index, trial)
             else:  # the trial that trained its stage stopped in it: this one stops there too
                 outcomes[k].stopped = dict(outcomes[first[trial.at[3]]].stopped)
+                _release(trial)
 
     def _reuse(self, index: int, trial: _Trial) -> None:
         _, stage, split, key, before = trial.at
@@ -175,6 +176,7 @@ class PipelineTrials:
                 err, TrialDropped) else "failed"
             outcomes[k].stopped = {"stage": index, "round": stage.global_step, "why": why, "error": str(err),
                                    "history": list(stage.history)}
+            _release(trial)
         finally:
             self.rounds_trained += stage.rounds_run
 
@@ -214,3 +216,11 @@ class PipelineTrials:
         trial.runner.fail_run([trial.run_id, run_id], error)
         outcomes[k].stopped = {"stage": index, **stop, "error": stop["error"] or str(error),
                                "history": list(batch.trials[j].history)}
+        _release(trial)
+
+
+def _release(trial: _Trial) -> None:
+    """A stopped trial lets go of its stage (its model, banks and server state), which the trials still training would
+    otherwise hold beside their own until the last of them ends."""
+    trial.stages.close()
+    trial.at, trial.runner._at = None, (trial.runner._at[0], None)

@@ -117,15 +117,15 @@ class TrialBatch(L.LightningModule):
         start = time.perf_counter()
         self.lead.server_step(self.optimizers())  # once a round: a step is a round to Lightning
         step_s, finished = time.perf_counter() - start, {}
-        for going, results, seconds in trained:
+        for going, results, took in trained:
             for k, stats in zip(going, results, strict=True):
                 if isinstance(stats, Diverged):
                     self.errors[k] = stats
                     self.drop([k], STOPPED_DIVERGED, str(stats), round_idx)
                 else:
-                    self.trials[k].finish_round(round_idx, stats, seconds + step_s)
+                    self.trials[k].finish_round(round_idx, stats, took + step_s)
                     finished[k] = self.trials[k].round_result
-        seconds = sum(seconds for _, _, seconds in trained) + step_s
+        seconds = sum(took for _, _, took in trained) + step_s
         self.round_result = RoundResult(round_idx + 1, MappingProxyType({"round_time_s": seconds}),
                                         MappingProxyType({"trials": float(len(self.active))}), self.execution,
                                         MappingProxyType(finished))
@@ -157,11 +157,10 @@ class TrialBatch(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Each trial's records and server state, the batch's trials still training and those stopped, each group's
-        executor choice (the first group's also as a batch of one group saved it), and each trial's banks' chains of
-        changes (save_changes_in)."""
-        choices = [self.trials[group[0]].executor_choice.state_dict() for group in self.groups]
+        executor choice, and each trial's banks' chains of changes (save_changes_in)."""
         checkpoint["fedpilot"] = {"trials": [stage.records() for stage in self.trials], "active": list(self.active),
-                                  "stopped": dict(self.stopped), **choices[0], "choices": choices}
+                                  "stopped": dict(self.stopped),
+                                  "choices": [self.trials[g[0]].executor_choice.state_dict() for g in self.groups]}
         for k, stage in enumerate(self.trials):
             stage.save_bank_changes(self.global_step, self.trainer.is_global_zero, checkpoint["state_dict"],
                                     f"trials.{k}.")
@@ -172,7 +171,7 @@ class TrialBatch(L.LightningModule):
             stage.load_records(records)
         self.active = list(saved.get("active", self.active))
         self.stopped = dict(saved.get("stopped", {}))
-        for group, choice in zip(self.groups, saved.get("choices", [saved]), strict=False):
+        for group, choice in zip(self.groups, saved.get("choices", []), strict=False):
             self.trials[group[0]].executor_choice.load_state_dict(choice)
 
     def save_changes_in(self, folder: Any) -> None:

@@ -245,7 +245,11 @@ class PipelineRunner:
             self._at = (i, None)
             stage = self._stage(i, before)
             self._at = (i, stage)
-            yield i, stage, stage.split, self.keys[i], before
+            try:
+                yield i, stage, stage.split, self.keys[i], before
+            except GeneratorExit:  # closed early (a batch's stopped trial): nothing of its stage stays held
+                self._at = (i, None)
+                raise
             before = stage
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:

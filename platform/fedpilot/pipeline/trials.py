@@ -223,4 +223,4 @@ def _release(trial: _Trial) -> None:
     """A stopped trial lets go of its stage (its model, banks and server state), which the trials still training would
     otherwise hold beside their own until the last of them ends."""
     trial.stages.close()
-    trial.at, trial.runner._at = None, (trial.runner._at[0], None)
+    trial.at = None

@@ -25,6 +25,7 @@ from fedpilot.data.federated import staging
 from fedpilot.data.summary import describe
 from fedpilot.engine.bank import carry_bank
 from fedpilot.engine.config import AUTO
+from fedpilot.engine.hooks import RoundGuard
 from fedpilot.engine.memory import PeakMemory, release_freed_memory
 from fedpilot.engine.novel import NovelClients
 from fedpilot.engine.stage import FederatedStage
@@ -107,7 +108,7 @@ class PipelineRunner:
         self.rounds_trained = 0
         self.run_id: str | None = None  # the pipeline's MLflow run once run() created or resumed it
         self.rank = rank_zero_only.rank  # > 0: a DDP process Lightning started for `devices` > 1 (see follow)
-        self._at: tuple[int, FederatedStage | None] = (0, None)  # the stage being built (None) or run: its errors
+        self._at: tuple[int, RoundGuard | None] = (0, None)  # the stage being built (None) or run: its errors
 
     # ---- the pipeline --------------------------------------------------------------------------------------
     def run(self, resume: str | None = None, parent: str | None = None, tags: dict[str, str] | None = None,
@@ -244,12 +245,8 @@ class PipelineRunner:
         for i in range(len(self.spec.stages)):
             self._at = (i, None)
             stage = self._stage(i, before)
-            self._at = (i, stage)
-            try:
-                yield i, stage, stage.split, self.keys[i], before
-            except GeneratorExit:  # closed early (a batch's stopped trial): nothing of its stage stays held
-                self._at = (i, None)
-                raise
+            self._at = (i, stage.guard)  # its guard, not the stage: a closed loop (a stopped trial) holds no stage
+            yield i, stage, stage.split, self.keys[i], before
             before = stage
 
     def _stages(self, parent: str, previous_runs: dict[int, Any], open_runs: list[str]) -> list[StageOutcome]:
@@ -260,9 +257,9 @@ class PipelineRunner:
         except (UserError, StageFailed, *STOPPED):
             raise
         except Exception as err:
-            i, stage = self._at
+            i, guard = self._at
             spec = self.spec.stages[i]
-            last = stage.guard.last_round if stage is not None else None
+            last = guard.last_round if guard is not None else None
             raise StageCrashed(spec.name, ALGORITHMS.origin(spec.algorithm), None if last is None else last + 1, err,
                                raised_at(err)) from err
         finally:

@@ -3,6 +3,9 @@ budget), checkpoints write what changed; evaluation of a seeded sample of client
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,11 +31,15 @@ def test_a_bank_holds_rows_only_for_written_clients():
     assert bank.written == 2 and float(bank.get(torch.tensor([7]))["w"].mean()) == 5.0
 
 
-def test_rows_past_the_budget_live_in_a_memory_mapped_file():
+def test_rows_past_the_budget_live_in_a_memory_mapped_file_that_leaves_nothing_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bank = ClientBank({"w": torch.zeros(4)}, n_clients=100, budget_bytes=64)
     for c in range(20):
         bank.put(torch.tensor([c]), {"w": torch.full((1, 4), float(c))})
-    assert bank.folder is not None and any(bank.folder.iterdir())  # 20 rows x 16 bytes > 64 bytes: a file
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    mapped = [line for line in maps if str(tmp_path) in line]  # 20 rows x 16 bytes > 64 bytes: a mapped file
+    assert mapped and all(line.endswith("(deleted)") for line in mapped)
+    assert not any(tmp_path.iterdir())  # every capacity's file unlinked once mapped, even the one in use
     assert torch.equal(bank.get(torch.tensor([13]))["w"], torch.full((1, 4), 13.0))
 
 

@@ -5,6 +5,7 @@ cohort's rows travel to its device and back."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,7 +31,6 @@ class ClientBank(nn.Module):
         self.rows: Tensors = {n: v.new_empty((0, *v.shape)) for n, v in self.init.items()}
         self.slot: dict[int, int] = {}
         self.since_saved: set[int] = set()
-        self.folder: Path | None = None  # where rows are memory-mapped once they pass the budget
         self.chain: list[str] | None = None  # files of the incremental saves, when checkpoints save changes
 
     # ---- reading and writing --------------------------------------------------------------------------------------
@@ -80,10 +80,13 @@ class ClientBank(nn.Module):
         shape = (capacity, *like.shape)
         if self.budget_bytes is None or self._bytes_at(capacity) <= self.budget_bytes:
             return like.new_empty(shape)
-        self.folder = self.folder or Path(tempfile.mkdtemp(prefix="fedpilot-bank-"))
-        path = self.folder / f"{name}-{capacity}.bin"
-        numel = capacity * like.numel()
-        return torch.from_file(str(path), shared=True, size=numel, dtype=like.dtype).view(shape)
+        handle, path = tempfile.mkstemp(prefix=f"fedpilot-bank-{name}-")
+        os.close(handle)
+        try:
+            rows = torch.from_file(path, shared=True, size=capacity * like.numel(), dtype=like.dtype)
+        finally:  # the mapping outlives its name: nothing stays on disk once the rows are freed, even after a kill
+            os.unlink(path)
+        return rows.view(shape)
 
     def _bytes_at(self, capacity: int) -> int:
         return sum(capacity * v.numel() * v.element_size() for v in self.init.values())

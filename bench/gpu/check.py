@@ -160,7 +160,7 @@ def benches(parts: Parts, args: argparse.Namespace) -> None:
         scale = ["--sizes", "1000", "1000000", "--cohorts", "50", "1000", "--federation", "10000",
                  "--eval-sizes", "1000000", "--rounds", "12", "--warmup", "2", "--timeout", "120"]
     if "profile" in args.parts:  # where the round's time goes: host work, kernels
-        size = ["--clients-per-round", "20", "--warmup", "1", "--rows", "10"] if args.quick else []
+        size = ["--model", "mlp", "--clients-per-round", "20", "--warmup", "1", "--rows", "10"] if args.quick else []
         parts.run("profile", [[sys.executable, "-W", "ignore", "bench/gpu/profile_round.py", "--device", args.device,
                                *size]], "compare.log", 90)
     if "compare" in args.parts:

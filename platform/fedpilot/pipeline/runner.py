@@ -375,6 +375,12 @@ class PipelineRunner:
 # everything the process holds (every module imported, every test run before it), can be skipped.
 BUILT: weakref.WeakSet = weakref.WeakSet()
 
+# What a process has loaded once it can run a pipeline (torch, Lightning, MLflow, fedpilot's modules) lives as long as
+# the process: frozen out of the garbage collector's sight, the full collections (the one above, Python's own) scan
+# what runs made, not them (tests/conftest.py freezes the test modules alike). No collection first: it would cost
+# every short command a full scan for the little garbage the imports left.
+gc.freeze()
+
 
 def free_what_earlier_runs_left(device: torch.device, besides: PipelineRunner) -> None:
     """Free what earlier runs in this process left for the garbage collector before a run (`besides`) allocates: a
